@@ -1,0 +1,161 @@
+"""The callback protocol: `Callback[TrainerT]`, `RankZeroCallback`, `StopTraining` and `HOOKS`.
+
+Every hook is a no-op here. A subclass overrides the hooks it needs; the
+`CallbackCollection` dispatches only those, so a hook that is not overridden costs
+nothing per step.
+"""
+
+from __future__ import annotations
+
+import typing
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar, Generic, TypeVar
+
+import torch
+
+TrainerT = TypeVar("TrainerT")
+
+#: Every hook a callback can override, in lifecycle order. `CallbackCollection` has one
+#: dispatch method of the same name for each of them (checked when the module loads).
+HOOKS: tuple[str, ...] = (
+    "pre_launch",
+    "pre_configure",
+    "post_configure",
+    "pre_setup",
+    "post_setup",
+    "pre_fit",
+    "post_fit",
+    "pre_epoch",
+    "post_epoch",
+    "pre_train_epoch",
+    "post_train_epoch",
+    "pre_train_step",
+    "post_train_step",
+    "pre_optimizer_step",
+    "post_optimizer_step",
+    "pre_optimizer_zero_grad",
+    "post_optimizer_zero_grad",
+    "pre_validation_epoch",
+    "post_validation_epoch",
+    "pre_validation_step",
+    "post_validation_step",
+    "on_log",
+    "on_interrupt",
+)
+
+#: Hooks that return a context manager (or None) instead of being called for effect.
+CONTEXT_HOOKS: tuple[str, ...] = ("train_context", "validation_context")
+
+
+class StopTraining(Exception):
+    """Raise from any hook (or a training step) to end `fit()` cleanly.
+
+    The loop stops at once, `post_fit` runs and the world is torn down; `fit()` returns
+    normally and `trainer.stop_reason` holds the message.
+    """
+
+    def __init__(self, reason: str = "stopped by a callback"):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Callback(Generic[TrainerT]):
+    """Base class of every callback. Parametrize it with what the callback needs.
+
+    ``class MyCallback(Callback[DreamTrainer])`` declares that the callback needs a
+    `DreamTrainer` (or a subclass, a mixin, or a ``runtime_checkable`` Protocol);
+    `CallbackCollection.initialize` checks it with ``isinstance`` and fails with a clear
+    message otherwise.
+
+    Class attributes:
+        critical: when False, an exception raised by a hook is logged (with traceback,
+            once) and training goes on; after `max_consecutive_failures` failures on
+            consecutive steps the callback is disabled. Critical callbacks propagate.
+        order: callbacks run in ascending `order`, then insertion order.
+        max_consecutive_failures: see `critical`.
+    """
+
+    trainer: TrainerT
+    critical: ClassVar[bool] = True
+    order: ClassVar[int] = 0
+    max_consecutive_failures: ClassVar[int] = 3
+
+    # -- lifecycle -------------------------------------------------------------------
+    def pre_launch(self) -> None: ...
+    def pre_configure(self) -> None: ...
+    def post_configure(self) -> None: ...
+    def pre_setup(self) -> None: ...
+    def post_setup(self) -> None: ...
+    def pre_fit(self) -> None: ...
+    def post_fit(self) -> None: ...
+    def pre_epoch(self) -> None: ...
+    def post_epoch(self) -> None: ...
+
+    # -- training --------------------------------------------------------------------
+    def pre_train_epoch(self) -> None: ...
+    def post_train_epoch(self, result: dict[str, Any]) -> None: ...
+    def pre_train_step(self, batch: Any, batch_idx: int) -> None: ...
+    def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None: ...
+    def pre_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None: ...
+    def post_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None: ...
+    def pre_optimizer_zero_grad(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None: ...
+    def post_optimizer_zero_grad(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None: ...
+
+    # -- validation ------------------------------------------------------------------
+    def pre_validation_epoch(self) -> None: ...
+    def post_validation_epoch(self, result: dict[str, Any]) -> None: ...
+    def pre_validation_step(self, batch: Any, batch_idx: int) -> None: ...
+    def post_validation_step(self, result: dict[str, Any], batch_idx: int) -> None: ...
+
+    # -- other -----------------------------------------------------------------------
+    def on_log(self, metrics: dict[str, float], step: int) -> None: ...
+    def on_interrupt(self) -> None: ...
+
+    def train_context(self) -> AbstractContextManager[Any] | None:
+        """A context entered around every ``training_step`` (None: nothing to enter)."""
+        return None
+
+    def validation_context(self) -> AbstractContextManager[Any] | None:
+        """A context entered around every ``validation_step`` (None: nothing to enter)."""
+        return None
+
+    # -- state -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """State saved in every checkpoint under this callback's name."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+
+    # -- introspection ---------------------------------------------------------------
+    @classmethod
+    def overridden_hooks(cls) -> tuple[str, ...]:
+        """The hooks (and context hooks) this class overrides, in `HOOKS` order."""
+        return tuple(
+            name
+            for name in HOOKS + CONTEXT_HOOKS
+            if getattr(cls, name) is not getattr(Callback, name)
+        )
+
+    @classmethod
+    def trainer_requirement(cls) -> Any:
+        """What `TrainerT` was bound to in the class hierarchy (None when unbound/Any)."""
+        for klass in cls.__mro__:
+            for base in getattr(klass, "__orig_bases__", ()):
+                origin = typing.get_origin(base)
+                if not (isinstance(origin, type) and issubclass(origin, Callback)):
+                    continue
+                args = typing.get_args(base)
+                if not args or isinstance(args[0], TypeVar) or args[0] is Any:
+                    continue
+                return args[0]
+        return None
+
+
+class RankZeroCallback(Callback[TrainerT]):
+    """A callback whose hooks run on global rank 0 only (decided once, at initialization).
+
+    `state_dict`/`load_state_dict` still run on every rank.
+    """
+
+    rank_zero_only: ClassVar[bool] = True

@@ -1,0 +1,409 @@
+"""`CallbackCollection`: an ordered, named set of callbacks with typed hook dispatch.
+
+Dispatch calls only the callbacks that override a hook. The per-hook tuples are computed
+when callbacks are added or removed (never per step), and each dispatch iterates a
+snapshot, so a callback may remove itself or add another from inside a hook.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import types
+import typing
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from typing import Any, Callable
+
+import torch
+
+from dream_trainer.callbacks.base import CONTEXT_HOOKS, HOOKS, Callback, RankZeroCallback, StopTraining
+
+logger = logging.getLogger(__name__)
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+class CallbackDependencyError(TypeError):
+    """A callback was attached to a trainer that lacks what the callback needs."""
+
+
+class _FailureState:
+    __slots__ = ("count", "last_step", "logged_traceback")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.last_step: int | None = None
+        self.logged_traceback = False
+
+
+class CallbackCollection:
+    """Ordered, named callbacks; dispatches each hook to the callbacks that override it.
+
+    Args:
+        callbacks: a sequence of callbacks (named after their class; a second instance of
+            a class gets a ``_1`` suffix, and so on) or a mapping of name -> callback.
+
+    Callbacks run in ascending ``order`` (a class attribute, default 0), then in insertion
+    order. ``collection["Name"]`` or ``collection[SomeCallbackClass]`` looks one up.
+    """
+
+    def __init__(self, callbacks: Iterable[Callback[Any]] | Mapping[str, Callback[Any]] | None = None):
+        self._callbacks: dict[str, Callback[Any]] = {}
+        self._trainer: Any = None
+        self._rank: int | None = None
+        self._failures: dict[str, _FailureState] = {}
+        self._contexts: dict[str, tuple[Callable[[], AbstractContextManager[Any] | None], ...]] = {}
+        if isinstance(callbacks, Mapping):
+            for name, callback in callbacks.items():
+                self.add(callback, name=name)
+        elif callbacks is not None:
+            for callback in callbacks:
+                self.add(callback)
+        self._rebuild()
+
+    # ---------------------------------------------------------------- membership
+    def add(self, callback: Callback[Any], name: str | None = None) -> str:
+        """Add `callback` (initializing it if the collection is already initialized).
+
+        Returns the name it was registered under. An explicit `name` that is taken raises.
+        """
+        if not isinstance(callback, Callback):
+            raise TypeError(
+                f"expected a dream_trainer Callback, got {type(callback).__name__}: {callback!r}"
+            )
+        if any(existing is callback for existing in self._callbacks.values()):
+            raise ValueError(f"callback {callback!r} is already in the collection")
+        if name is None:
+            base = type(callback).__name__
+            name, i = base, 1
+            while name in self._callbacks:
+                name, i = f"{base}_{i}", i + 1
+        else:
+            if not isinstance(name, str) or not _NAME_RE.match(name):
+                raise ValueError(f"callback name {name!r} is invalid: use letters, digits, '_', '.', '-'")
+            if name in self._callbacks:
+                raise ValueError(
+                    f"a callback named {name!r} ({type(self._callbacks[name]).__name__}) is already "
+                    "registered; pass another name"
+                )
+        if self._trainer is not None:
+            self._attach(name, callback)
+        self._callbacks[name] = callback
+        self._rebuild()
+        return name
+
+    append = add
+
+    def remove(self, key: str | Callback[Any] | type) -> Callback[Any]:
+        """Remove a callback by name, instance or class (the first of that class)."""
+        name = self._name_of(key)
+        callback = self._callbacks.pop(name)
+        self._failures.pop(name, None)
+        self._rebuild()
+        return callback
+
+    def _name_of(self, key: str | Callback[Any] | type) -> str:
+        if isinstance(key, str):
+            if key in self._callbacks:
+                return key
+        elif isinstance(key, type):
+            for name, callback in self._callbacks.items():
+                if isinstance(callback, key):
+                    return name
+        else:
+            for name, callback in self._callbacks.items():
+                if callback is key:
+                    return name
+        raise KeyError(f"no callback {key!r}; registered: {list(self._callbacks)}")
+
+    def __getitem__(self, key: str | type) -> Callback[Any]:
+        return self._callbacks[self._name_of(key)]
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            self._name_of(key)  # type: ignore[arg-type]
+        except KeyError:
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[Callback[Any]]:
+        return iter(self._ordered())
+
+    def __len__(self) -> int:
+        return len(self._callbacks)
+
+    def names(self) -> list[str]:
+        """Names in dispatch order."""
+        by_id = {id(cb): name for name, cb in self._callbacks.items()}
+        return [by_id[id(cb)] for cb in self._ordered()]
+
+    def items(self) -> list[tuple[str, Callback[Any]]]:
+        return list(zip(self.names(), self._ordered()))
+
+    def __repr__(self) -> str:
+        return f"CallbackCollection({self.names()})"
+
+    def _ordered(self) -> list[Callback[Any]]:
+        return sorted(self._callbacks.values(), key=lambda cb: getattr(cb, "order", 0))
+
+    # ---------------------------------------------------------------- initialization
+    def initialize(self, trainer: Any, global_rank: int | None = None) -> None:
+        """Attach every callback to `trainer`, checking what each one needs.
+
+        `global_rank` decides where `RankZeroCallback` hooks run (default: the ``RANK``
+        environment variable, 0 when unset — known before the process group exists).
+        """
+        self._trainer = trainer
+        self._rank = int(os.environ.get("RANK", "0")) if global_rank is None else global_rank
+        for name, callback in list(self._callbacks.items()):
+            self._attach(name, callback)
+        self._rebuild()
+
+    def _attach(self, name: str, callback: Callback[Any]) -> None:
+        required = type(callback).trainer_requirement()
+        if required is not None and not _satisfies(self._trainer, required):
+            raise CallbackDependencyError(
+                f"callback {name!r} ({type(callback).__name__}) needs a trainer that is "
+                f"{_describe(required)}, but got {type(self._trainer).__name__} "
+                f"(bases: {', '.join(k.__name__ for k in type(self._trainer).__mro__[1:-1])})"
+            )
+        callback.trainer = self._trainer
+
+    def _active(self, callback: Callback[Any]) -> bool:
+        return not (isinstance(callback, RankZeroCallback) and self._rank not in (None, 0))
+
+    def _rebuild(self) -> None:
+        active = [cb for cb in self._ordered() if self._active(cb)]
+        overrides = {id(cb): set(type(cb).overridden_hooks()) for cb in active}
+        for hook in HOOKS:
+            fns = tuple(getattr(cb, hook) for cb in active if hook in overrides[id(cb)])
+            setattr(self, "_h_" + hook, fns)
+        for hook in CONTEXT_HOOKS:
+            self._contexts[hook] = tuple(
+                getattr(cb, hook) for cb in active if hook in overrides[id(cb)]
+            )
+
+    # ---------------------------------------------------------------- dispatch core
+    def _call(self, fns: tuple[Callable[..., Any], ...], hook: str, *args: Any) -> None:
+        for fn in fns:
+            try:
+                fn(*args)
+            except Exception as exc:  # noqa: BLE001 - policy decides
+                self._on_error(fn, hook, exc)
+
+    def _on_error(self, fn: Callable[..., Any], hook: str, exc: Exception) -> None:
+        callback: Callback[Any] = fn.__self__  # type: ignore[attr-defined]
+        if isinstance(exc, StopTraining) or callback.critical:
+            raise exc
+        try:
+            name = self._name_of(callback)
+        except KeyError:  # already removed during this dispatch
+            return
+        state = self._failures.setdefault(name, _FailureState())
+        step = int(getattr(self._trainer, "global_step", 0) or 0)
+        consecutive = state.last_step is not None and step - state.last_step <= 1
+        state.count = state.count + 1 if consecutive else 1
+        state.last_step = step
+        if not state.logged_traceback:
+            state.logged_traceback = True
+            logger.exception("non-critical callback %r failed in %s (training continues)", name, hook)
+        else:
+            logger.warning("non-critical callback %r failed again in %s: %r", name, hook, exc)
+        if state.count >= callback.max_consecutive_failures:
+            logger.warning(
+                "disabling callback %r after %d consecutive failures", name, state.count
+            )
+            self.remove(name)
+
+    def contexts(self, hook: str) -> list[AbstractContextManager[Any]]:
+        """The context managers the callbacks return for `train_context`/`validation_context`."""
+        out: list[AbstractContextManager[Any]] = []
+        for fn in self._contexts[hook]:
+            try:
+                ctx = fn()
+            except Exception as exc:  # noqa: BLE001
+                self._on_error(fn, hook, exc)
+                continue
+            if ctx is not None:
+                out.append(ctx)
+        return out
+
+    def has_contexts(self, hook: str) -> bool:
+        return bool(self._contexts[hook])
+
+    def listens(self, hook: str) -> bool:
+        """Whether any active callback overrides `hook`."""
+        return bool(getattr(self, "_h_" + hook))
+
+    # ---------------------------------------------------------------- typed dispatch
+    # One method per entry of HOOKS (checked at import time below). Each is a no-op
+    # when no callback overrides the hook: one attribute test, nothing else.
+    _h_pre_launch: tuple[Callable[[], None], ...]
+    _h_pre_configure: tuple[Callable[[], None], ...]
+    _h_post_configure: tuple[Callable[[], None], ...]
+    _h_pre_setup: tuple[Callable[[], None], ...]
+    _h_post_setup: tuple[Callable[[], None], ...]
+    _h_pre_fit: tuple[Callable[[], None], ...]
+    _h_post_fit: tuple[Callable[[], None], ...]
+    _h_pre_epoch: tuple[Callable[[], None], ...]
+    _h_post_epoch: tuple[Callable[[], None], ...]
+    _h_pre_train_epoch: tuple[Callable[[], None], ...]
+    _h_post_train_epoch: tuple[Callable[[dict[str, Any]], None], ...]
+    _h_pre_train_step: tuple[Callable[[Any, int], None], ...]
+    _h_post_train_step: tuple[Callable[[dict[str, Any], int], None], ...]
+    _h_pre_optimizer_step: tuple[Callable[..., None], ...]
+    _h_post_optimizer_step: tuple[Callable[..., None], ...]
+    _h_pre_optimizer_zero_grad: tuple[Callable[..., None], ...]
+    _h_post_optimizer_zero_grad: tuple[Callable[..., None], ...]
+    _h_pre_validation_epoch: tuple[Callable[[], None], ...]
+    _h_post_validation_epoch: tuple[Callable[[dict[str, Any]], None], ...]
+    _h_pre_validation_step: tuple[Callable[[Any, int], None], ...]
+    _h_post_validation_step: tuple[Callable[[dict[str, Any], int], None], ...]
+    _h_on_log: tuple[Callable[[dict[str, float], int], None], ...]
+    _h_on_interrupt: tuple[Callable[[], None], ...]
+
+    def pre_launch(self) -> None:
+        if self._h_pre_launch:
+            self._call(self._h_pre_launch, "pre_launch")
+
+    def pre_configure(self) -> None:
+        if self._h_pre_configure:
+            self._call(self._h_pre_configure, "pre_configure")
+
+    def post_configure(self) -> None:
+        if self._h_post_configure:
+            self._call(self._h_post_configure, "post_configure")
+
+    def pre_setup(self) -> None:
+        if self._h_pre_setup:
+            self._call(self._h_pre_setup, "pre_setup")
+
+    def post_setup(self) -> None:
+        if self._h_post_setup:
+            self._call(self._h_post_setup, "post_setup")
+
+    def pre_fit(self) -> None:
+        if self._h_pre_fit:
+            self._call(self._h_pre_fit, "pre_fit")
+
+    def post_fit(self) -> None:
+        if self._h_post_fit:
+            self._call(self._h_post_fit, "post_fit")
+
+    def pre_epoch(self) -> None:
+        if self._h_pre_epoch:
+            self._call(self._h_pre_epoch, "pre_epoch")
+
+    def post_epoch(self) -> None:
+        if self._h_post_epoch:
+            self._call(self._h_post_epoch, "post_epoch")
+
+    def pre_train_epoch(self) -> None:
+        if self._h_pre_train_epoch:
+            self._call(self._h_pre_train_epoch, "pre_train_epoch")
+
+    def post_train_epoch(self, result: dict[str, Any]) -> None:
+        if self._h_post_train_epoch:
+            self._call(self._h_post_train_epoch, "post_train_epoch", result)
+
+    def pre_train_step(self, batch: Any, batch_idx: int) -> None:
+        if self._h_pre_train_step:
+            self._call(self._h_pre_train_step, "pre_train_step", batch, batch_idx)
+
+    def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
+        if self._h_post_train_step:
+            self._call(self._h_post_train_step, "post_train_step", result, batch_idx)
+
+    def pre_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if self._h_pre_optimizer_step:
+            self._call(self._h_pre_optimizer_step, "pre_optimizer_step", model, optimizer)
+
+    def post_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if self._h_post_optimizer_step:
+            self._call(self._h_post_optimizer_step, "post_optimizer_step", model, optimizer)
+
+    def pre_optimizer_zero_grad(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if self._h_pre_optimizer_zero_grad:
+            self._call(self._h_pre_optimizer_zero_grad, "pre_optimizer_zero_grad", model, optimizer)
+
+    def post_optimizer_zero_grad(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if self._h_post_optimizer_zero_grad:
+            self._call(self._h_post_optimizer_zero_grad, "post_optimizer_zero_grad", model, optimizer)
+
+    def pre_validation_epoch(self) -> None:
+        if self._h_pre_validation_epoch:
+            self._call(self._h_pre_validation_epoch, "pre_validation_epoch")
+
+    def post_validation_epoch(self, result: dict[str, Any]) -> None:
+        if self._h_post_validation_epoch:
+            self._call(self._h_post_validation_epoch, "post_validation_epoch", result)
+
+    def pre_validation_step(self, batch: Any, batch_idx: int) -> None:
+        if self._h_pre_validation_step:
+            self._call(self._h_pre_validation_step, "pre_validation_step", batch, batch_idx)
+
+    def post_validation_step(self, result: dict[str, Any], batch_idx: int) -> None:
+        if self._h_post_validation_step:
+            self._call(self._h_post_validation_step, "post_validation_step", result, batch_idx)
+
+    def on_log(self, metrics: dict[str, float], step: int) -> None:
+        if self._h_on_log:
+            self._call(self._h_on_log, "on_log", metrics, step)
+
+    def on_interrupt(self) -> None:
+        """Every callback's `on_interrupt` runs; their own errors are logged, never raised
+        (an interruption is already being handled)."""
+        for fn in self._h_on_interrupt:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001
+                logger.exception("on_interrupt of %r failed", type(fn.__self__).__name__)  # type: ignore[attr-defined]
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """``{name: callback.state_dict()}`` for every callback that keeps state."""
+        return {
+            name: cb.state_dict()
+            for name, cb in self._callbacks.items()
+            if type(cb).state_dict is not Callback.state_dict
+        }
+
+    def load_state_dict(self, state: Mapping[str, dict[str, Any]]) -> None:
+        """Restore callback states by name; a saved callback that is absent only warns."""
+        for name, cb_state in state.items():
+            if name in self._callbacks:
+                self._callbacks[name].load_state_dict(cb_state)
+            else:
+                logger.warning(
+                    "checkpoint holds state for callback %r, which is not in this run "
+                    "(callbacks: %s); its state is ignored",
+                    name,
+                    list(self._callbacks),
+                )
+
+
+def _satisfies(trainer: Any, required: Any) -> bool:
+    args = typing.get_args(required)
+    if args and typing.get_origin(required) in (typing.Union, types.UnionType):
+        return any(_satisfies(trainer, arg) for arg in args)
+    try:
+        return isinstance(trainer, required)
+    except TypeError as exc:  # a non-runtime-checkable Protocol, a subscripted generic...
+        raise CallbackDependencyError(
+            f"cannot check callback requirement {required!r}: {exc}. Use a class, a mixin or "
+            "a @runtime_checkable Protocol as the Callback's type argument"
+        ) from exc
+
+
+def _describe(required: Any) -> str:
+    name = getattr(required, "__name__", None) or repr(required)
+    if getattr(required, "_is_protocol", False):
+        return f"an implementation of the protocol {name}"
+    return f"a {name}"
+
+
+_missing = [hook for hook in HOOKS if not callable(getattr(CallbackCollection, hook, None))]
+if _missing:  # pragma: no cover - a developer error, caught by the first import
+    raise RuntimeError(f"CallbackCollection lacks dispatch methods for hooks: {_missing}")

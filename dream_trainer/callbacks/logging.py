@@ -1,0 +1,87 @@
+"""`LoggerCallback`: every `on_log` metric to TensorBoard event files and a JSON-lines file."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from dream_trainer.callbacks.base import RankZeroCallback
+from dream_trainer.trainer.abstract import AbstractTrainer
+
+
+class LoggerCallback(RankZeroCallback[AbstractTrainer]):
+    """Write metrics under the run directory (rank zero only).
+
+    - TensorBoard event files in ``<run_dir>/<subdir>/`` (read them with ``tensorboard
+      --logdir``);
+    - ``<run_dir>/<subdir>/metrics.jsonl``: one JSON object per `on_log` call,
+      ``{"step": ..., "time": ..., "<name>": value, ...}`` (non-finite values as strings).
+
+    Files are flushed at the end of every epoch and validation, and closed when the run
+    ends or is interrupted. Not critical: a failing disk never stops training.
+    """
+
+    critical = False
+
+    def __init__(self, subdir: str = "logs", tensorboard: bool = True, jsonl: bool = True):
+        if not (tensorboard or jsonl):
+            raise ValueError("LoggerCallback needs at least one sink: tensorboard=True or jsonl=True")
+        self.subdir = subdir
+        self.tensorboard = tensorboard
+        self.jsonl = jsonl
+        self._writer: Any = None
+        self._file: IO[str] | None = None
+        self.log_dir: Path | None = None
+
+    def _open(self) -> None:
+        self.log_dir = Path(self.trainer.run_dir) / self.subdir
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.tensorboard and self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: lazily
+
+            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        if self.jsonl and self._file is None:
+            self._file = open(self.log_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+
+    def pre_fit(self) -> None:
+        self._open()
+
+    def on_log(self, metrics: dict[str, float], step: int) -> None:
+        if self.log_dir is None:
+            self._open()
+        if self._writer is not None:
+            for name, value in metrics.items():
+                self._writer.add_scalar(name, value, global_step=step)
+        if self._file is not None:
+            record = {"step": step, "time": time.time()}
+            record.update({k: v if math.isfinite(v) else str(v) for k, v in metrics.items()})
+            self._file.write(json.dumps(record) + "\n")
+
+    def _flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+        if self._file is not None:
+            self._file.flush()
+
+    def post_train_epoch(self, result: dict[str, Any]) -> None:
+        self._flush()
+
+    def post_validation_epoch(self, result: dict[str, Any]) -> None:
+        self._flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def post_fit(self) -> None:
+        self.close()
+
+    def on_interrupt(self) -> None:
+        self.close()

@@ -1,0 +1,89 @@
+"""`ProgressBar`: a tqdm bar per epoch with step, loss, lr and it/s (rank zero)."""
+
+from __future__ import annotations
+
+import sys
+from typing import IO, Any
+
+from dream_trainer.callbacks.base import RankZeroCallback
+from dream_trainer.trainer.abstract import AbstractTrainer
+
+
+class ProgressBar(RankZeroCallback[AbstractTrainer]):
+    """A tqdm progress bar over each training epoch.
+
+    Shows the optimizer step, the last logged loss and learning rate, and tqdm's rate.
+    When the epoch length is unknown (an iterable loader without ``__len__``) the total is
+    estimated from the previous epoch and marked with ``~``.
+
+    Args:
+        enabled: True to always show, False never; None (default) shows it only when
+            `file` is a terminal, so logs of batch jobs stay clean.
+        file: where to draw (default: ``sys.stderr``).
+    """
+
+    critical = False
+
+    def __init__(self, enabled: bool | None = None, file: IO[str] | None = None):
+        self.enabled = enabled
+        self.file = file
+        self._bar: Any = None
+        self._postfix: dict[str, str] = {}
+
+    @property
+    def active(self) -> bool:
+        if self.enabled is not None:
+            return self.enabled
+        stream = self.file or sys.stderr
+        return bool(getattr(stream, "isatty", lambda: False)())
+
+    def estimated_total(self) -> tuple[int | None, bool]:
+        """(batches in this epoch, whether that number is an estimate)."""
+        trainer: Any = self.trainer
+        known = getattr(trainer, "train_steps_per_epoch", None)
+        if known is not None:
+            return known, False
+        return getattr(trainer, "last_epoch_batches", None), True
+
+    def pre_train_epoch(self) -> None:
+        from tqdm.auto import tqdm
+
+        self._close()
+        total, estimated = self.estimated_total()
+        desc = f"epoch {self.trainer.current_epoch}" + (" (~total)" if estimated and total else "")
+        self._bar = tqdm(
+            total=total,
+            desc=desc,
+            unit="batch",
+            file=self.file or sys.stderr,
+            disable=not self.active,
+            dynamic_ncols=True,
+            leave=True,
+        )
+
+    def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def on_log(self, metrics: dict[str, float], step: int) -> None:
+        if self._bar is None:
+            return
+        self._postfix["step"] = str(step)
+        for key, short in (("train/loss", "loss"), ("train/lr", "lr"), ("val/loss", "val_loss")):
+            if key in metrics:
+                self._postfix[short] = f"{metrics[key]:.4g}"
+        self._bar.set_postfix(self._postfix, refresh=False)
+
+    def post_train_epoch(self, result: dict[str, Any]) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def post_fit(self) -> None:
+        self._close()
+
+    def on_interrupt(self) -> None:
+        self._close()

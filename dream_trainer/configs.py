@@ -1,0 +1,205 @@
+"""Configuration dataclasses. Every field is keyword-only and validated on construction,
+so a bad value fails before any process group, model or file exists."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Union
+
+import torch
+
+if TYPE_CHECKING:
+    from dream_trainer.callbacks.base import Callback
+    from dream_trainer.callbacks.collection import CallbackCollection
+
+Size = Union[int, Literal["auto"]]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+def _positive_int(owner: str, name: str, value: Any, *, allow_none: bool = False, allow_zero: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    lowest = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+        allowed = f"an int >= {lowest}" + (" or None" if allow_none else "")
+        raise ValueError(f"{owner}.{name}={value!r} is invalid: expected {allowed}")
+
+
+@dataclass(kw_only=True)
+class TrainingParameters:
+    """How long and how to train.
+
+    Attributes:
+        n_epochs: epochs to run (None: until `max_steps`).
+        max_steps: stop after this many optimizer steps (None: no limit).
+        train_steps_per_epoch: batches per epoch; needed by iterable loaders without
+            ``__len__`` that never end. Default: ``len(train_dataloader)`` (the minimum over
+            ranks), or until the iterator is exhausted.
+        val_steps_per_epoch: batches per validation run (None: the whole loader).
+        gradient_accumulation_steps: micro-batches per optimizer step.
+        gradient_clip_val: clip the global gradient norm to this value (None: no clipping).
+        val_every_n_steps: validate every N optimizer steps (None: only at epoch end).
+        validate_at_epoch_end: validate after every epoch.
+        num_sanity_val_steps: validation batches run before training (0: none).
+    """
+
+    n_epochs: int | None = 1
+    max_steps: int | None = None
+    train_steps_per_epoch: int | None = None
+    val_steps_per_epoch: int | None = None
+    gradient_accumulation_steps: int = 1
+    gradient_clip_val: float | None = None
+    val_every_n_steps: int | None = None
+    validate_at_epoch_end: bool = True
+    num_sanity_val_steps: int = 2
+
+    def __post_init__(self) -> None:
+        owner = "TrainingParameters"
+        _positive_int(owner, "n_epochs", self.n_epochs, allow_none=True)
+        _positive_int(owner, "max_steps", self.max_steps, allow_none=True)
+        if self.n_epochs is None and self.max_steps is None:
+            raise ValueError(f"{owner}: n_epochs and max_steps are both None; set at least one")
+        _positive_int(owner, "train_steps_per_epoch", self.train_steps_per_epoch, allow_none=True)
+        _positive_int(owner, "val_steps_per_epoch", self.val_steps_per_epoch, allow_none=True)
+        _positive_int(owner, "gradient_accumulation_steps", self.gradient_accumulation_steps)
+        _positive_int(owner, "val_every_n_steps", self.val_every_n_steps, allow_none=True)
+        _positive_int(owner, "num_sanity_val_steps", self.num_sanity_val_steps, allow_zero=True)
+        if self.gradient_clip_val is not None and not (
+            isinstance(self.gradient_clip_val, (int, float)) and self.gradient_clip_val > 0
+        ):
+            raise ValueError(
+                f"{owner}.gradient_clip_val={self.gradient_clip_val!r} is invalid: expected a number > 0 or None"
+            )
+
+
+@dataclass(kw_only=True)
+class LoggingParameters:
+    """What the trainer logs by itself and how often.
+
+    Attributes:
+        log_every_n_steps: metrics are read from the device and sent to `on_log` every N
+            optimizer steps (and at the end of each validation). Values logged on other
+            steps are dropped without a host-device sync.
+        log_grad_norm: log ``train/grad_norm`` on log steps.
+        log_lr: log ``train/lr`` (``train/lr/<optimizer>`` with several optimizers).
+    """
+
+    log_every_n_steps: int = 10
+    log_grad_norm: bool = True
+    log_lr: bool = True
+
+    def __post_init__(self) -> None:
+        _positive_int("LoggingParameters", "log_every_n_steps", self.log_every_n_steps)
+
+
+@dataclass(kw_only=True)
+class DeviceParameters:
+    """Where and how the model runs: device, mesh sizes, precision, compile.
+
+    Mesh sizes (`dp_replicate`, `dp_shard`, `context_parallel`, `tensor_parallel`) are
+    ints or ``"auto"`` (at most one): ``"auto"`` takes what the world size leaves.
+    Use the constructors `SINGLE_DEVICE`, `DDP`, `FSDP`, `HSDP` for the common layouts.
+    """
+
+    device: str = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    dp_replicate: Size = "auto"
+    dp_shard: Size = 1
+    context_parallel: Size = 1
+    tensor_parallel: Size = 1
+    compile_model: bool = False
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    autocast_dtype: torch.dtype | None = None
+    checkpoint_activations: bool = False
+    cpu_offload: bool = False
+    init_timeout_s: float = 600.0
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        owner = "DeviceParameters"
+        if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
+            raise ValueError(
+                f"{owner}.device={self.device!r} is invalid: expected 'auto', 'cpu', 'mps', 'cuda' or 'cuda:N'"
+            )
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"{owner}.backend={self.backend!r} is invalid: expected 'auto', 'gloo' or 'nccl'")
+        autos = []
+        for name in ("dp_replicate", "dp_shard", "context_parallel", "tensor_parallel"):
+            value = getattr(self, name)
+            if value == "auto":
+                autos.append(name)
+            else:
+                _positive_int(owner, name, value)
+        if len(autos) > 1:
+            raise ValueError(f"{owner}: only one mesh size may be 'auto', got {autos}")
+        for name in ("param_dtype", "reduce_dtype", "autocast_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in _DTYPES:
+                raise ValueError(f"{owner}.{name}={value!r} is invalid: expected None or one of {_DTYPES}")
+        for name in ("init_timeout_s", "timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{owner}.{name}={value!r} is invalid: expected seconds > 0")
+
+    @classmethod
+    def SINGLE_DEVICE(cls, **kwargs: Any) -> DeviceParameters:
+        """One process, no data parallelism (the world size must be 1)."""
+        return cls(dp_replicate=1, dp_shard=1, **kwargs)
+
+    @classmethod
+    def DDP(cls, **kwargs: Any) -> DeviceParameters:
+        """Replicate the model on every rank and average gradients."""
+        return cls(dp_replicate="auto", dp_shard=1, **kwargs)
+
+    @classmethod
+    def FSDP(cls, dp_shard: Size = "auto", **kwargs: Any) -> DeviceParameters:
+        """Shard parameters, gradients and optimizer state over `dp_shard` ranks (FSDP2)."""
+        return cls(dp_replicate=1, dp_shard=dp_shard, **kwargs)
+
+    @classmethod
+    def HSDP(cls, dp_shard: int, **kwargs: Any) -> DeviceParameters:
+        """Shard within groups of `dp_shard` ranks, replicate across the groups."""
+        return cls(dp_replicate="auto", dp_shard=dp_shard, **kwargs)
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """Everything a trainer needs.
+
+    Attributes:
+        experiment: name of the experiment (a folder under `root_dir`).
+        run_name: name of this run (default: a timestamp, agreed on by every rank).
+        root_dir: where run directories go: ``root_dir/experiment/run_name``.
+        seed: seed of every RNG (the same on every rank; None: not seeded).
+        callbacks: the callbacks, as a list, a name -> callback mapping, or a collection.
+    """
+
+    experiment: str = "default"
+    run_name: str | None = None
+    root_dir: str = "runs"
+    seed: int | None = 42
+    training_parameters: TrainingParameters = field(default_factory=TrainingParameters)
+    device_parameters: DeviceParameters = field(default_factory=DeviceParameters)
+    logging_parameters: LoggingParameters = field(default_factory=LoggingParameters)
+    callbacks: CallbackCollection | list[Callback[Any]] | dict[str, Callback[Any]] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("experiment", "run_name"):
+            value = getattr(self, name)
+            if value is None and name == "run_name":
+                continue
+            if not isinstance(value, str) or not value or "/" in value or value in (".", ".."):
+                raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: expected a non-empty name without '/'")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"TrainerConfig.seed={self.seed!r} is invalid: expected an int >= 0 or None")
+        for name, kind in (
+            ("training_parameters", TrainingParameters),
+            ("device_parameters", DeviceParameters),
+            ("logging_parameters", LoggingParameters),
+        ):
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"TrainerConfig.{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}")

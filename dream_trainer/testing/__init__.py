@@ -1,0 +1,8 @@
+"""Helpers for testing trainers and callbacks: `spawn_world`, `RecordingCallback`,
+`ToyTrainer`."""
+
+from dream_trainer.testing.recording import Call, RecordingCallback
+from dream_trainer.testing.spawn import SpawnError, spawn_world
+from dream_trainer.testing.toy import ToyTrainer, toy_data
+
+__all__ = ["Call", "RecordingCallback", "SpawnError", "ToyTrainer", "spawn_world", "toy_data"]

@@ -1,0 +1,96 @@
+"""`ToyTrainer`: a tiny regression trainer for tests (ours and users')."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+from dream_trainer.configs import TrainerConfig
+from dream_trainer.trainer.dream import DreamTrainer
+
+
+def toy_data(n_samples: int = 256, in_features: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed regression problem: ``y = tanh(x @ w) + 0.01 * noise``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_samples, in_features, generator=g)
+    w = torch.randn(in_features, 1, generator=g)
+    y = torch.tanh(x @ w) + 0.01 * torch.randn(n_samples, 1, generator=g)
+    return x, y
+
+
+class _Stream(IterableDataset):
+    """An iterable view of a tensor dataset without ``__len__``."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __iter__(self) -> Any:
+        return iter(zip(self.x, self.y))
+
+
+class ToyTrainer(DreamTrainer):
+    """Fits a 2-layer MLP to `toy_data` with SGD; data sharded over data-parallel ranks.
+
+    ``self.step_losses`` holds each micro-batch's loss (device tensors).
+    """
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        *,
+        in_features: int = 8,
+        hidden: int = 16,
+        n_samples: int = 256,
+        batch_size: int = 16,
+        lr: float = 0.05,
+        iterable: bool = False,
+        with_validation: bool = True,
+        shuffle: bool = False,
+    ):
+        super().__init__(config)
+        self.in_features, self.hidden, self.n_samples = in_features, hidden, n_samples
+        self.batch_size, self.lr, self.iterable = batch_size, lr, iterable
+        self.with_validation, self.shuffle = with_validation, shuffle
+        self.step_losses: list[torch.Tensor] = []
+
+    def configure_models(self) -> None:
+        self.model = nn.Sequential(nn.Linear(self.in_features, self.hidden), nn.Tanh(), nn.Linear(self.hidden, 1))
+
+    def configure_optimizers(self) -> None:
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=self.lr)
+
+    def _loader(self, x: torch.Tensor, y: torch.Tensor) -> DataLoader[Any]:
+        world = self.world
+        if self.iterable:
+            shard = slice(world.dp_rank, None, world.dp_size)
+            return DataLoader(_Stream(x[shard], y[shard]), batch_size=self.batch_size)
+        dataset = TensorDataset(x, y)
+        sampler = None
+        if world.dp_size > 1:
+            sampler = DistributedSampler(
+                dataset, num_replicas=world.dp_size, rank=world.dp_rank, shuffle=self.shuffle, seed=self.seed or 0
+            )
+        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, shuffle=self.shuffle and sampler is None)
+
+    def configure_dataloaders(self) -> tuple[Any, Any]:
+        x, y = toy_data(self.n_samples, self.in_features)
+        split = self.n_samples * 3 // 4
+        train = self._loader(x[:split], y[:split])
+        val = self._loader(x[split:], y[split:]) if self.with_validation else None
+        return train, val
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.model(x), y)
+        self.backward(loss)
+        self.step(self.optimizer)
+        self.step_losses.append(loss.detach())
+        return {"loss": loss}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        x, y = batch
+        return {"loss": nn.functional.mse_loss(self.model(x), y)}

@@ -1,0 +1,96 @@
+"""`AbstractTrainer`: the counters and the named accessors every trainer has."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from dream_trainer.callbacks.collection import CallbackCollection
+from dream_trainer.configs import TrainerConfig
+from dream_trainer.world.world import DistributedWorld
+
+T = TypeVar("T")
+
+
+class AbstractTrainer(ABC):
+    """Counters and accessors shared by every trainer.
+
+    Attributes:
+        global_step: optimizer steps taken (accumulation micro-batches do not count).
+        current_epoch: the epoch being run (0-based).
+        local_batches: batches (micro-batches) consumed in the current epoch.
+        logged_metrics: the last value of every metric sent to `on_log`.
+    """
+
+    config: TrainerConfig
+    world: DistributedWorld
+    callbacks: CallbackCollection
+    run_dir: Path
+    train_dataloader: Iterable[Any] | None = None
+    val_dataloader: Iterable[Any] | None = None
+
+    def __init__(self) -> None:
+        self.global_step = 0
+        self.current_epoch = 0
+        self.local_batches = 0
+        self.logged_metrics: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ discovery
+    def _named(self, kind: type[T]) -> dict[str, T]:
+        """Attributes of this trainer that are instances of `kind`, in assignment order."""
+        return {name: value for name, value in vars(self).items() if isinstance(value, kind) and not name.startswith("_")}
+
+    def named_models(self) -> dict[str, nn.Module]:
+        """Every ``nn.Module`` assigned as an attribute (``self.model = ...``)."""
+        return self._named(nn.Module)
+
+    def named_optimizers(self) -> dict[str, Optimizer]:
+        """Every optimizer assigned as an attribute."""
+        return self._named(Optimizer)
+
+    def named_schedulers(self) -> dict[str, LRScheduler]:
+        """Every learning-rate scheduler assigned as an attribute."""
+        return self._named(LRScheduler)  # type: ignore[type-abstract]
+
+    def get_model(self, name: str) -> nn.Module:
+        return _lookup(self.named_models(), name, "model")
+
+    def get_optimizer(self, name: str) -> Optimizer:
+        return _lookup(self.named_optimizers(), name, "optimizer")
+
+    def get_scheduler(self, name: str) -> LRScheduler:
+        return _lookup(self.named_schedulers(), name, "scheduler")
+
+    def model_for(self, optimizer: Optimizer) -> nn.Module | None:
+        """The model whose parameters `optimizer` updates (None if no model owns them)."""
+        first = next((p for group in optimizer.param_groups for p in group["params"]), None)
+        if first is None:
+            return None
+        for model in self.named_models().values():
+            if any(p is first for p in model.parameters()):
+                return model
+        return None
+
+    # ------------------------------------------------------------------ state
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    @property
+    def device(self) -> torch.device:
+        return self.world.device
+
+
+def _lookup(found: dict[str, T], name: str, what: str) -> T:
+    if name not in found:
+        raise KeyError(f"no {what} named {name!r}; the trainer has: {list(found) or 'none'}")
+    return found[name]

@@ -1,0 +1,156 @@
+"""`DreamTrainer`: `BaseTrainer` plus the standard model-build pipeline.
+
+``configure()`` runs, in this order::
+
+    configure_models()            under the meta device: no memory, no init cost
+    apply_tensor_parallel(tp)     if tensor_parallel > 1
+    apply_activation_checkpointing()   if checkpoint_activations
+    apply_compile()               if compile_model
+    apply_fully_shard(cfg)        if dp_shard > 1      (FSDP2 / HSDP)
+      or apply_replicate(dp)      if dp_replicate > 1  (DDP)
+    materialize on the world's device, seed, init_weights()
+    configure_optimizers() -> configure_schedulers() -> configure_dataloaders()
+
+Each ``apply_*`` hook is called only when its option is enabled; if the configuration
+needs one the subclass does not implement, configure fails before building anything.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from dream_trainer.trainer.base import BaseTrainer
+from dream_trainer.utils import seed_everything
+
+
+class DreamTrainer(BaseTrainer):
+    """A trainer that builds models on the meta device and parallelizes them from config."""
+
+    # ================================================================== user hooks
+    def configure_models(self) -> None:
+        """Create the models as attributes (``self.model = GPT(cfg)``). Runs under
+        ``torch.device("meta")``: allocate nothing, initialize nothing here."""
+        raise NotImplementedError(f"{type(self).__name__} must implement configure_models()")
+
+    def init_weights(self) -> None:
+        """Initialize every parameter and buffer after materialization (runs under
+        ``torch.no_grad()`` after seeding). Default: each model's ``init_weights()`` if it
+        has one, else ``reset_parameters()`` of every submodule that has it."""
+        for model in self.named_models().values():
+            if callable(getattr(model, "init_weights", None)):
+                model.init_weights()
+                continue
+            for module in model.modules():
+                if callable(getattr(module, "reset_parameters", None)):
+                    module.reset_parameters()
+
+    def configure_optimizers(self) -> None:
+        """Create the optimizers as attributes (models are materialized by now)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement configure_optimizers()")
+
+    def configure_schedulers(self) -> None:
+        """Create learning-rate schedulers as attributes (optional)."""
+
+    def configure_dataloaders(self) -> tuple[Iterable[Any], Iterable[Any] | None] | None:
+        """Return ``(train_dataloader, val_dataloader_or_None)``, or set the attributes.
+        Shard the data with ``self.world.dp_rank`` / ``self.world.dp_size``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement configure_dataloaders()")
+
+    def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
+        """Parallelize the models over `tp_mesh` (``parallelize_module``)."""
+
+    def apply_activation_checkpointing(self) -> None:
+        """Wrap blocks with activation checkpointing."""
+
+    def apply_compile(self) -> None:
+        """Compile the models (per block: ``block.compile()``)."""
+
+    def apply_fully_shard(self, fsdp_config: dict[str, Any]) -> None:
+        """``fully_shard(block, **fsdp_config)`` per block, then on each model root."""
+
+    def apply_replicate(self, dp_mesh: DeviceMesh) -> None:
+        """Data parallelism by replication. Default: FSDP2-style ``replicate`` on each model
+        root (gradients all-reduced in buckets during backward)."""
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        for model in self.named_models().values():
+            replicate(model, mesh=dp_mesh)
+
+    # ================================================================== pipeline
+    def _require(self, hook: str, because: str) -> None:
+        if getattr(type(self), hook) is getattr(DreamTrainer, hook):
+            raise NotImplementedError(
+                f"{because}, but {type(self).__name__} does not implement {hook}(); implement it "
+                f"or change the DeviceParameters"
+            )
+
+    def configure(self) -> None:
+        params, plan, world = self.config.device_parameters, self.world.plan, self.world
+        # Fail before building anything when a needed hook is missing.
+        if plan.tp > 1:
+            self._require("apply_tensor_parallel", f"DeviceParameters.tensor_parallel={plan.tp}")
+        if params.checkpoint_activations:
+            self._require("apply_activation_checkpointing", "DeviceParameters.checkpoint_activations=True")
+        if params.compile_model:
+            self._require("apply_compile", "DeviceParameters.compile_model=True")
+        if plan.dp_shard > 1:
+            self._require("apply_fully_shard", f"DeviceParameters.dp_shard={plan.dp_shard}")
+
+        with torch.device("meta"):
+            self.configure_models()
+        models = self.named_models()
+        if not models:
+            raise ValueError(f"{type(self).__name__}.configure_models() set no nn.Module attribute")
+
+        if plan.tp > 1:
+            self.apply_tensor_parallel(world.get_mesh("tp"))
+        if params.checkpoint_activations:
+            self.apply_activation_checkpointing()
+        if params.compile_model:
+            self.apply_compile()
+        if plan.dp_shard > 1:
+            self.apply_fully_shard(world.fsdp_config)
+        elif plan.dp_replicate > 1:
+            self.apply_replicate(world.get_mesh("dp_replicate"))
+
+        self.materialize()
+
+        self.configure_optimizers()
+        if not self.named_optimizers():
+            raise ValueError(f"{type(self).__name__}.configure_optimizers() set no optimizer attribute")
+        self.configure_schedulers()
+        loaders = self.configure_dataloaders()
+        if loaders is not None:
+            if not (isinstance(loaders, tuple) and len(loaders) == 2):
+                raise TypeError(
+                    "configure_dataloaders() must return (train_dataloader, val_dataloader or None) "
+                    f"or None, got {type(loaders).__name__}"
+                )
+            self.train_dataloader, self.val_dataloader = loaders
+
+    def materialize(self) -> None:
+        """Allocate the meta-device models on the world's device, seed, `init_weights()`,
+        and check that nothing is left on the meta device."""
+        for model in self.named_models().values():
+            model.to_empty(device=self.world.device)
+        if self.seed is not None:
+            seed_everything(self.seed)
+        with torch.no_grad():
+            self.init_weights()
+        left = [
+            f"{model_name}.{name}"
+            for model_name, model in self.named_models().items()
+            for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers())
+            if tensor.device.type == "meta"
+        ]
+        if left:
+            raise RuntimeError(
+                f"after materialization {len(left)} tensor(s) are still on the meta device: "
+                f"{', '.join(left[:10])}{' ...' if len(left) > 10 else ''}. Create them in "
+                "configure_models() as parameters or buffers of a model (not on a plain attribute)."
+            )

@@ -1,0 +1,42 @@
+"""Small helpers shared by the trainers and callbacks."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils._pytree import tree_map
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's (CPU and every CUDA device) RNGs."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor in a (nested) batch to `device` (non-blocking from pinned memory)."""
+    return tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, batch)
+
+
+def detach_result(result: Any, where: str) -> dict[str, Any]:
+    """Check that a step returned a dict (or None) and detach its tensors."""
+    if result is None:
+        return {}
+    if not isinstance(result, dict):
+        raise TypeError(f"{where} must return a dict (e.g. {{'loss': loss}}) or None, got {type(result).__name__}")
+    return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in result.items()}
+
+
+def to_floats(metrics: dict[str, Any]) -> dict[str, float]:
+    """Convert metric values to floats with one host-device transfer for all tensors."""
+    tensors = {k: v for k, v in metrics.items() if isinstance(v, torch.Tensor)}
+    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
+    if tensors:
+        # The one deliberate sync of a log step: all tensor metrics in one transfer.
+        values = torch.stack([t.detach().float().reshape(()) for t in tensors.values()]).tolist()
+        out.update(zip(tensors, values))
+    return {k: out[k] for k in metrics}

@@ -1,0 +1,113 @@
+"""Mesh planning: a pure function from `DeviceParameters` and the world size to mesh dims.
+
+No process group is needed, so every plan (and every bad plan) is testable in one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dream_trainer.configs import DeviceParameters
+
+#: Mesh dimension names, outermost first.
+MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "tp")
+
+_FIELDS = {"dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "cp": "context_parallel", "tp": "tensor_parallel"}
+
+
+class MeshPlanError(ValueError):
+    """The requested mesh sizes cannot be laid out on this world."""
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    """Resolved mesh sizes. ``dp = dp_replicate * dp_shard`` is the data-parallel degree."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in MESH_DIMS)
+
+    @property
+    def dim_names(self) -> tuple[str, ...]:
+        return MESH_DIMS
+
+    @property
+    def data_parallel(self) -> str:
+        """``"none"``, ``"ddp"``, ``"fsdp"`` or ``"hsdp"``."""
+        if self.dp_shard > 1:
+            return "hsdp" if self.dp_replicate > 1 else "fsdp"
+        return "ddp" if self.dp_replicate > 1 else "none"
+
+
+def plan_mesh(params: DeviceParameters, world_size: int, local_world_size: int | None = None) -> MeshPlan:
+    """Resolve `params`' mesh sizes for `world_size` ranks (`local_world_size` per node).
+
+    Raises:
+        MeshPlanError: the sizes do not multiply to the world size, an ``"auto"`` size
+            does not divide it, or tensor parallelism spans more than one node. The
+            message names the sizes given, the world size and a plan that would fit.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise MeshPlanError(f"world_size={world_size!r} is invalid: expected an int >= 1")
+    requested = {dim: getattr(params, field) for dim, field in _FIELDS.items()}
+    fixed = 1
+    auto_dim = None
+    for dim, size in requested.items():
+        if size == "auto":
+            auto_dim = dim
+        else:
+            fixed *= size
+    sizes = dict(requested)
+    if auto_dim is not None:
+        if world_size % fixed:
+            raise MeshPlanError(_message(requested, world_size, f"the fixed sizes multiply to {fixed}, which does not divide it"))
+        sizes[auto_dim] = world_size // fixed
+    elif fixed != world_size:
+        raise MeshPlanError(_message(requested, world_size, f"the sizes multiply to {fixed}"))
+    plan = MeshPlan(**sizes)  # type: ignore[arg-type]
+    if local_world_size is not None and plan.tp > local_world_size:
+        raise MeshPlanError(
+            _message(requested, world_size, f"tensor_parallel={plan.tp} is larger than a node ({local_world_size} ranks)")
+        )
+    return plan
+
+
+def _message(requested: dict[str, object], world_size: int, why: str) -> str:
+    given = ", ".join(f"{_FIELDS[dim]}={size!r}" for dim, size in requested.items())
+    return (
+        f"cannot lay out the device mesh ({given}) on a world of {world_size} rank(s): {why}. "
+        f"A plan that fits: {_suggest(requested, world_size)}"
+    )
+
+
+def _suggest(requested: dict[str, object], world_size: int) -> str:
+    """Keep the model-parallel sizes that divide the world, give data parallelism the rest."""
+    keep = {dim: size for dim, size in requested.items() if dim in ("cp", "tp") and isinstance(size, int)}
+    model_parallel = 1
+    for dim in ("tp", "cp"):
+        size = keep.get(dim, 1)
+        if world_size % (model_parallel * size):
+            keep[dim] = 1
+        else:
+            model_parallel *= size
+    shard_wanted = requested["dp_shard"] == "auto" or (isinstance(requested["dp_shard"], int) and requested["dp_shard"] > 1)
+    dp = world_size // model_parallel
+    dp_field = "dp_shard" if shard_wanted else "dp_replicate"
+    other = "dp_replicate" if shard_wanted else "dp_shard"
+    parts = {dp_field: dp, other: 1, "context_parallel": keep.get("cp", 1), "tensor_parallel": keep.get("tp", 1)}
+    return "DeviceParameters(" + ", ".join(f"{k}={v}" for k, v in parts.items()) + ")"

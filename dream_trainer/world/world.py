@@ -1,0 +1,266 @@
+"""`DistributedWorld`: process-group launch and teardown, the device mesh, collectives."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from dream_trainer.configs import DeviceParameters
+from dream_trainer.world.plan import MESH_DIMS, MeshPlan, plan_mesh
+
+logger = logging.getLogger(__name__)
+
+ReduceOp = Literal["sum", "mean", "max", "min"]
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+class DistributedWorld:
+    """Owns the process group, the named device mesh and the distributed helpers.
+
+    With no launcher and no environment variables it is a one-rank world on the best
+    device; under ``torchrun`` it joins the launched group (gloo on CPU, NCCL with a gloo
+    side backend on CUDA). A process group that already exists is reused and left alone
+    by `teardown`.
+    """
+
+    def __init__(self, device_parameters: DeviceParameters | None = None):
+        self.device_parameters = device_parameters or DeviceParameters()
+        self.rank = _env_int("RANK", 0)
+        self.world_size = _env_int("WORLD_SIZE", 1)
+        self.local_rank = _env_int("LOCAL_RANK", 0)
+        self.local_world_size = _env_int("LOCAL_WORLD_SIZE", self.world_size)
+        self.plan: MeshPlan = plan_mesh(self.device_parameters, self.world_size, self.local_world_size)
+        self.device = self._resolve_device()
+        self.mesh: DeviceMesh | None = None
+        self._owns_process_group = False
+        self._launched = False
+
+    # ------------------------------------------------------------------ launch
+    def _resolve_device(self) -> torch.device:
+        requested = self.device_parameters.device
+        if requested == "auto":
+            if torch.cuda.is_available():
+                return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+            return torch.device("cpu")
+        device = torch.device(requested)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"DeviceParameters.device={requested!r} but CUDA is not available here")
+            if device.index is None:
+                device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        return device
+
+    @property
+    def backend(self) -> str:
+        chosen = self.device_parameters.backend
+        if chosen == "auto":
+            chosen = "nccl" if self.device.type == "cuda" else "gloo"
+        if chosen == "nccl":
+            if self.device.type != "cuda":
+                raise ValueError(f"backend 'nccl' needs a CUDA device, the world runs on {self.device}")
+            return "cuda:nccl,cpu:gloo"  # a gloo side backend for CPU collectives
+        return chosen
+
+    def launch(self) -> None:
+        """Create (or join) the process group and build the device mesh."""
+        if self._launched:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        timeout = timedelta(seconds=self.device_parameters.init_timeout_s)
+        if not dist.is_initialized():
+            if self.world_size == 1 and "MASTER_ADDR" not in os.environ:
+                # One rank, no launcher: an in-memory store, no ports.
+                dist.init_process_group(
+                    self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+                )
+            else:
+                dist.init_process_group(self.backend, timeout=timeout)
+            self._owns_process_group = True
+        elif dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
+            raise RuntimeError(
+                f"an existing process group has rank {dist.get_rank()}/{dist.get_world_size()} but the "
+                f"environment says RANK={self.rank} WORLD_SIZE={self.world_size}"
+            )
+        self._launched = True
+        try:
+            self.mesh = init_device_mesh(self.device.type, self.plan.shape, mesh_dim_names=MESH_DIMS)
+            if self.plan.dp_replicate * self.plan.dp_shard > 1 and min(self.plan.dp_replicate, self.plan.dp_shard) > 1:
+                self.mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+        except BaseException:
+            self.teardown()
+            raise
+
+    def relax_timeout(self) -> None:
+        """Switch the process group from the long init timeout to `timeout_s` (called by
+        the trainer after the first optimizer step, once compilation and warm-up are done)."""
+        if self._launched and dist.is_initialized():
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=self.device_parameters.timeout_s))
+
+    def teardown(self) -> None:
+        """Destroy the process group if this world created it. Safe to call twice."""
+        self.mesh = None
+        if self._owns_process_group and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - teardown must not mask the original error
+                logger.exception("destroying the process group failed")
+        self._owns_process_group = False
+        self._launched = False
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def is_rank_zero(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    def get_mesh(self, *dims: str) -> DeviceMesh:
+        """The submesh over `dims` (``"dp"`` is the flattened data-parallel dims)."""
+        if self.mesh is None:
+            raise RuntimeError("the world is not launched: call launch() first")
+        if dims == ("dp",):
+            if self.plan.dp_replicate > 1 and self.plan.dp_shard > 1:
+                return self.mesh["dp"]
+            dims = ("dp_shard",) if self.plan.dp_shard > 1 else ("dp_replicate",)
+        return self.mesh[dims if len(dims) > 1 else dims[0]]
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel ranks (each reads its own shard of the data)."""
+        return self.plan.dp
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks."""
+        if self.mesh is None or self.dp_size == 1:
+            return 0
+        return self.get_mesh("dp").get_local_rank()
+
+    @property
+    def fsdp_config(self) -> dict[str, Any]:
+        """Keyword arguments for ``fully_shard``: ``mesh``, ``mp_policy``, ``offload_policy``."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+        params = self.device_parameters
+        if self.plan.dp_replicate > 1 and self.plan.dp_shard > 1:
+            mesh = self.get_mesh("dp_replicate", "dp_shard")
+        else:
+            mesh = self.get_mesh("dp")
+        return {
+            "mesh": mesh,
+            "mp_policy": MixedPrecisionPolicy(param_dtype=params.param_dtype, reduce_dtype=params.reduce_dtype),
+            "offload_policy": CPUOffloadPolicy() if params.cpu_offload else OffloadPolicy(),
+        }
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean", group: Any = None) -> torch.Tensor:
+        """Reduce `tensor` in place over `group` (default: all ranks) and return it."""
+        if self.world_size == 1:
+            return tensor
+        if op == "mean":
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+            tensor /= dist.get_world_size(group)
+        elif op in _OPS:
+            dist.all_reduce(tensor, op=_OPS[op], group=group)
+        else:
+            raise ValueError(f"op={op!r} is invalid: expected one of 'sum', 'mean', 'max', 'min'")
+        return tensor
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Every rank gets rank `src`'s `obj` (a picklable value)."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def global_agreement(self, value: Any) -> bool:
+        """True when every rank passed an equal `value`."""
+        values = self.all_gather_object(value)
+        return all(v == values[0] for v in values[1:])
+
+    # ------------------------------------------------------------------ gradients
+    @torch.no_grad()
+    def total_gradient_norm(self, parameters: Iterable[torch.nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
+        """The global gradient norm as one device tensor (no host sync).
+
+        DTensor gradients (FSDP2, replicate, TP) are grouped by mesh and placements; each
+        group's norm is reduced over its mesh, then the groups are combined.
+        """
+        from torch.distributed.tensor import DTensor
+
+        groups: dict[Any, list[torch.Tensor]] = {}
+        for p in parameters:
+            if p.grad is None:
+                continue
+            g = p.grad
+            key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+            groups.setdefault(key, []).append(g)
+        if not groups:
+            return torch.zeros((), device=self.device)
+        norms = []
+        for grads in groups.values():
+            norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
+            norms.append(norm)
+        if len(norms) == 1:
+            return norms[0]
+        return torch.linalg.vector_norm(torch.stack(norms), ord=norm_type)
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """Clip gradients in place to a global norm of `max_norm`; return the norm before
+        clipping (a device tensor: nothing is read to the host)."""
+        params = [p for p in parameters if p.grad is not None]
+        total = self.total_gradient_norm(params, norm_type)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        return total
+
+    # ------------------------------------------------------------------ contexts
+    def train_context(self) -> AbstractContextManager[Any] | None:
+        """Autocast when `autocast_dtype` is configured, else None."""
+        dtype = self.device_parameters.autocast_dtype
+        if dtype is None:
+            return None
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def __repr__(self) -> str:
+        return (
+            f"DistributedWorld(rank={self.rank}/{self.world_size}, device={self.device}, "
+            f"plan={self.plan}, launched={self._launched})"
+        )

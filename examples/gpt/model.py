@@ -1,0 +1,152 @@
+"""A tiny GPT (decoder-only transformer) in plain PyTorch.
+
+Designed to be friendly to meta-device construction and parallelism:
+
+* no registered buffers -- every tensor is a parameter initialized by
+  :meth:`GPT.init_weights`, so ``to_empty`` + ``init_weights`` fully
+  materializes the model;
+* attention uses separate ``q_proj``/``k_proj``/``v_proj``/``o_proj`` linears
+  and derives the number of (local) heads from the projected width, so the
+  projections can be sharded colwise/rowwise by tensor parallelism;
+* no weight tying between the token embedding and ``lm_head``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    """Hyperparameters of :class:`GPT`."""
+
+    vocab_size: int
+    block_size: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_head != 0:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention via ``scaled_dot_product_attention``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        d = config.d_model
+        self.head_dim = config.head_dim
+        self.dropout = config.dropout
+        self.q_proj = nn.Linear(d, d)
+        self.k_proj = nn.Linear(d, d)
+        self.v_proj = nn.Linear(d, d)
+        self.o_proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        # Local head count: correct even when the projections are sharded.
+        n_head = q.shape[-1] // self.head_dim
+        q, k, v = (t.view(B, T, n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).reshape(B, T, n_head * self.head_dim)
+        return self.o_proj(y)
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward network: ``fc1 -> GELU -> fc2``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.d_model, 4 * config.d_model)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(4 * config.d_model, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc2(self.act(self.fc1(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.d_model)
+        self.mlp = MLP(config)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        x = x + self.mlp(self.ln2(x))
+        return x
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer language model.
+
+    ``forward(idx[B, T]) -> logits[B, T, vocab_size]`` with ``T <= block_size``.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.block_size, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        _, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialize every parameter in place, deterministically given the
+        global torch seed. Safe to call after ``to_empty`` from a meta build."""
+        residual_scale = 1.0 / math.sqrt(2 * self.config.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                if name.endswith(("o_proj", "fc2")):
+                    module.weight.mul_(residual_scale)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        """Total number of (optionally only trainable) parameter elements."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy over all ``B*T`` positions."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
