@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -34,7 +35,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
-        value = fn(*args)
+        # Plain pickle bytes: a tensor sent through the queue as-is would be shared by file
+        # descriptor, which dies with this process.
+        value = pickle.dumps(fn(*args))
         results.put((rank, True, value))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, False, traceback.format_exc()))
@@ -95,7 +98,10 @@ def spawn_world(
                     if now - dead_since.setdefault(rank, now) > 2.0:
                         errors[rank] = f"process exited with code {proc.exitcode} without a result"
                 continue
-            (values if ok else errors)[rank] = value
+            if ok:
+                values[rank] = pickle.loads(value)
+            else:
+                errors[rank] = value
     finally:
         _end(procs, grace=1.0 if errors else 10.0)
         results.close()

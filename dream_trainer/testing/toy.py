@@ -69,12 +69,12 @@ class ToyTrainer(DreamTrainer):
             shard = slice(world.dp_rank, None, world.dp_size)
             return DataLoader(_Stream(x[shard], y[shard]), batch_size=self.batch_size)
         dataset = TensorDataset(x, y)
-        sampler = None
-        if world.dp_size > 1:
-            sampler = DistributedSampler(
-                dataset, num_replicas=world.dp_size, rank=world.dp_rank, shuffle=self.shuffle, seed=self.seed or 0
-            )
-        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, shuffle=self.shuffle and sampler is None)
+        # A DistributedSampler even on one rank: the same seed gives the same global order
+        # whatever the world size, so runs on 1 and N ranks see the same global batches.
+        sampler = DistributedSampler(
+            dataset, num_replicas=world.dp_size, rank=world.dp_rank, shuffle=self.shuffle, seed=self.seed or 0
+        )
+        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler)
 
     def configure_dataloaders(self) -> tuple[Any, Any]:
         x, y = toy_data(self.n_samples, self.in_features)

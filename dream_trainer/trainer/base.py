@@ -62,6 +62,7 @@ class BaseTrainer(AbstractTrainer):
         self.last_epoch_batches: int | None = None
         self._log_gate: bool | None = None  # None outside a step: log_dict always logs
         self._val_sums: dict[str, list[Any]] = {}
+        self._pending_logs: dict[str, Any] = {}
         self._grad_norms: dict[str, torch.Tensor] = {}
         self._optimizer_params: dict[int, list[nn.Parameter]] = {}
         self._optimizer_models: dict[int, nn.Module | None] = {}
@@ -335,17 +336,19 @@ class BaseTrainer(AbstractTrainer):
     def log_dict(self, metrics: dict[str, Any]) -> None:
         """Record metrics and send them to every callback's `on_log`.
 
-        Inside a training step, values are read from the device only on log steps (every
-        ``log_every_n_steps``); on other steps the call returns at once without a sync.
+        Inside a training step (and its callbacks), values are read from the device only on
+        log steps (every ``log_every_n_steps``), together with the step's own metrics and
+        under its step number; on other steps the call returns at once without a sync.
         During validation they are averaged over the run and logged once at its end.
         """
         if self.validating:
             if not self.sanity_checking:
                 self._accumulate(metrics)
             return
-        if self._log_gate is False:
-            return
-        self._dispatch_log(metrics)
+        if self._log_gate is None:  # outside a training step: log now
+            self._dispatch_log(metrics)
+        elif self._log_gate:  # a log step: sent with the step's own metrics, one sync
+            self._pending_logs.update(metrics)
 
     def log_scalar(self, name: str, value: Any) -> None:
         """`log_dict` for one value."""
@@ -365,7 +368,8 @@ class BaseTrainer(AbstractTrainer):
         if scalars and self.world.dp_size > 1:
             stacked = self.world.all_reduce(torch.stack([v.float().reshape(()) for v in scalars.values()]), "mean")
             scalars = dict(zip(scalars, stacked.unbind()))
-        metrics: dict[str, Any] = {**scalars, "train/epoch": float(self.current_epoch)}
+        metrics: dict[str, Any] = {**scalars, "train/epoch": float(self.current_epoch), **self._pending_logs}
+        self._pending_logs = {}
         if self.logging_parameters.log_lr:
             optimizers = self.named_optimizers()
             for name, opt in optimizers.items():

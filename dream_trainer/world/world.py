@@ -152,10 +152,9 @@ class DistributedWorld:
 
     @property
     def dp_rank(self) -> int:
-        """This rank's index among the data-parallel ranks."""
-        if self.mesh is None or self.dp_size == 1:
-            return 0
-        return self.get_mesh("dp").get_local_rank()
+        """This rank's index among the data-parallel ranks (the mesh is laid out
+        ``dp_replicate x dp_shard x cp x tp``, row-major)."""
+        return self.rank // (self.plan.cp * self.plan.tp)
 
     @property
     def fsdp_config(self) -> dict[str, Any]:

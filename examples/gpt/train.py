@@ -1,0 +1,164 @@
+"""Train a tiny GPT on a generated corpus with dream_trainer.
+
+    python examples/gpt/train.py                      # one process (about a minute on 2 CPU cores)
+    python examples/gpt/train.py --nproc 2            # 2 local ranks, spawned by dream_trainer
+    torchrun --nproc_per_node 2 examples/gpt/train.py # 2 ranks under torchrun (DDP over gloo on CPU)
+
+Metrics go to ``runs/gpt/<run>/logs`` (TensorBoard event files and metrics.jsonl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from data import make_datasets  # noqa: E402
+from model import GPT, GPTConfig, lm_loss  # noqa: E402
+
+from dream_trainer import (  # noqa: E402
+    Callback,
+    DeviceParameters,
+    DreamTrainer,
+    LoggerCallback,
+    LoggingParameters,
+    ProgressBar,
+    TrainerConfig,
+    TrainingParameters,
+    entrypoint,
+)
+
+
+class GPTTrainer(DreamTrainer):
+    """Character-level GPT: model on meta, AdamW, warmup + cosine, sharded data."""
+
+    def __init__(self, config: TrainerConfig, args: argparse.Namespace):
+        super().__init__(config)
+        self.args = args
+        self.train_set, self.val_set, self.tokenizer = make_datasets(
+            n_chars=args.n_chars, block_size=args.block_size, seed=0
+        )
+        self.gpt_config = GPTConfig(
+            vocab_size=self.tokenizer.vocab_size,
+            block_size=args.block_size,
+            n_layer=args.n_layer,
+            n_head=args.n_head,
+            d_model=args.d_model,
+        )
+
+    def configure_models(self) -> None:
+        self.model = GPT(self.gpt_config)  # on the meta device: nothing allocated yet
+
+    def configure_optimizers(self) -> None:
+        decay = [p for p in self.model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.model.parameters() if p.ndim < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.args.lr,
+            betas=(0.9, 0.95),
+        )
+
+    def configure_schedulers(self) -> None:
+        warmup, total = self.args.warmup, self.args.steps
+
+        def lr_factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
+
+    def configure_dataloaders(self) -> tuple[DataLoader[Any], DataLoader[Any]]:
+        world = self.world
+        per_rank = max(1, self.args.batch_size // world.dp_size)
+
+        def loader(dataset: Any, shuffle: bool) -> DataLoader[Any]:
+            sampler = DistributedSampler(
+                dataset, num_replicas=world.dp_size, rank=world.dp_rank, shuffle=shuffle, seed=self.seed or 0
+            )
+            return DataLoader(dataset, batch_size=per_rank, sampler=sampler, drop_last=shuffle)
+
+        return loader(self.train_set, True), loader(self.val_set, False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        x, y = batch
+        loss = lm_loss(self.model(x), y)
+        self.backward(loss)
+        self.step(self.optimizer)
+        return {"loss": loss}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        x, y = batch
+        return {"loss": lm_loss(self.model(x), y)}
+
+
+class ValidationHistory(Callback[DreamTrainer]):
+    """Keeps (step, val loss) of every validation, sanity check included."""
+
+    def __init__(self) -> None:
+        self.history: list[tuple[int, float]] = []
+
+    def post_validation_epoch(self, result: dict[str, Any]) -> None:
+        if "val/loss" in result:
+            self.history.append((self.trainer.global_step, float(result["val/loss"])))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=250, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=32, help="global batch size (split over data-parallel ranks)")
+    p.add_argument("--lr", type=float, default=6e-3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--val-every", type=int, default=50)
+    p.add_argument("--val-batches", type=int, default=None, help="batches per validation (default: all)")
+    p.add_argument("--n-chars", type=int, default=400_000, help="size of the generated corpus")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--root-dir", default="runs")
+    p.add_argument("--run-name", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--progress", action="store_true", help="draw the progress bar even when not a terminal")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> GPTTrainer:
+    args = parse_args(argv)
+    history = ValidationHistory()
+    config = TrainerConfig(
+        experiment="gpt",
+        run_name=args.run_name,
+        root_dir=args.root_dir,
+        seed=args.seed,
+        device_parameters=DeviceParameters.DDP(),  # one rank: plain; N ranks: gradients averaged
+        training_parameters=TrainingParameters(
+            n_epochs=None,
+            max_steps=args.steps,
+            val_every_n_steps=args.val_every,
+            val_steps_per_epoch=args.val_batches,
+            gradient_clip_val=1.0,
+        ),
+        logging_parameters=LoggingParameters(log_every_n_steps=10),
+        callbacks=[ProgressBar(enabled=True if args.progress else None), LoggerCallback(), history],
+    )
+    trainer = GPTTrainer(config, args)
+    trainer.fit()
+    if trainer.world.is_rank_zero:
+        steps = ", ".join(f"{step}: {loss:.3f}" for step, loss in history.history)
+        print(f"validation loss by step: {steps}")
+        print(f"logs: {trainer.run_dir / 'logs'}")
+    return trainer
+
+
+if __name__ == "__main__":
+    entrypoint(main)

@@ -1,0 +1,115 @@
+"""Config validation, mesh planning and the launcher's argument handling (no processes)."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from dream_trainer import DeviceParameters, LoggingParameters, MeshPlanError, TrainerConfig, TrainingParameters, plan_mesh
+from dream_trainer.launch import ENV_RUN_NAME, _pop_nproc, entrypoint
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(n_epochs=0), r"n_epochs=0 is invalid"),
+        (dict(n_epochs=None, max_steps=None), "set at least one"),
+        (dict(gradient_accumulation_steps=0), r"gradient_accumulation_steps=0"),
+        (dict(gradient_clip_val=-1.0), r"gradient_clip_val=-1.0"),
+        (dict(val_every_n_steps=1.5), r"val_every_n_steps=1.5"),
+        (dict(num_sanity_val_steps=-1), r"num_sanity_val_steps=-1"),
+    ],
+)
+def test_training_parameters_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainingParameters(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(device="gpu"), r"device='gpu' is invalid"),
+        (dict(backend="mpi"), r"backend='mpi'"),
+        (dict(dp_shard=0), r"dp_shard=0"),
+        (dict(dp_shard="auto"), r"only one mesh size may be 'auto'"),
+        (dict(param_dtype=torch.int8), r"param_dtype=torch.int8"),
+        (dict(timeout_s=0), r"timeout_s=0"),
+    ],
+)
+def test_device_parameters_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DeviceParameters(**kwargs)
+
+
+def test_trainer_config_errors():
+    with pytest.raises(ValueError, match=r"experiment='a/b'"):
+        TrainerConfig(experiment="a/b")
+    with pytest.raises(ValueError, match=r"seed=-1"):
+        TrainerConfig(seed=-1)
+    with pytest.raises(TypeError, match="training_parameters must be a TrainingParameters"):
+        TrainerConfig(training_parameters={"n_epochs": 1})
+    with pytest.raises(ValueError, match="log_every_n_steps=0"):
+        LoggingParameters(log_every_n_steps=0)
+
+
+@pytest.mark.parametrize(
+    "params, world, dims",
+    [
+        (DeviceParameters.SINGLE_DEVICE(), 1, (1, 1, 1, 1)),
+        (DeviceParameters.DDP(), 4, (4, 1, 1, 1)),
+        (DeviceParameters.FSDP(), 2, (1, 2, 1, 1)),
+        (DeviceParameters.HSDP(dp_shard=2), 4, (2, 2, 1, 1)),
+        (DeviceParameters(dp_replicate=1, dp_shard="auto", tensor_parallel=2), 8, (1, 4, 1, 2)),
+    ],
+)
+def test_plan_table(params, world, dims):
+    plan = plan_mesh(params, world)
+    assert plan.shape == dims and plan.world_size == world
+
+
+def test_bad_plans_name_sizes_and_a_fix():
+    with pytest.raises(MeshPlanError, match=r"dp_shard=3.*world of 4.*A plan that fits: DeviceParameters\(dp_shard=4"):
+        plan_mesh(DeviceParameters.FSDP(dp_shard=3), 4)
+    with pytest.raises(MeshPlanError, match=r"world of 2 rank"):
+        plan_mesh(DeviceParameters.SINGLE_DEVICE(), 2)
+    with pytest.raises(MeshPlanError, match=r"larger than a node"):
+        plan_mesh(DeviceParameters(dp_replicate="auto", tensor_parallel=4), 8, local_world_size=2)
+
+
+def test_bad_plan_fails_at_trainer_construction(monkeypatch):
+    from dream_trainer.testing import ToyTrainer
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(MeshPlanError):
+        ToyTrainer(TrainerConfig(device_parameters=DeviceParameters.SINGLE_DEVICE()))
+
+
+def test_nproc_parsing():
+    assert _pop_nproc(["--nproc", "2", "--steps", "3"]) == (2, ["--steps", "3"])
+    assert _pop_nproc(["--nproc=4"]) == (4, [])
+    assert _pop_nproc(["--steps", "3"]) == (None, ["--steps", "3"])
+    with pytest.raises(ValueError, match=r"--nproc='x' is invalid"):
+        _pop_nproc(["--nproc", "x"])
+    with pytest.raises(ValueError, match=r"--nproc=0 is invalid"):
+        _pop_nproc(["--nproc", "0"])
+
+
+def test_entrypoint_plain_process_runs_main_and_sets_identity(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train.py", "--nproc", "1", "--lr", "3"])
+    result = entrypoint(lambda: (list(sys.argv), os.environ[ENV_RUN_NAME]), seed=7)
+    assert result[0] == ["train.py", "--lr", "3"]  # --nproc removed before main parses
+    assert result[1] and os.environ["DREAM_TRAINER_SEED"] == "7"
+
+
+def test_run_identity_from_env_wins(monkeypatch, tmp_path):
+    from dream_trainer.testing import ToyTrainer
+
+    monkeypatch.setenv("DREAM_TRAINER_RUN_NAME", "shared-name")
+    monkeypatch.setenv("DREAM_TRAINER_SEED", "5")
+    trainer = ToyTrainer(TrainerConfig(experiment="exp", root_dir=str(tmp_path), seed=1,
+                                       device_parameters=DeviceParameters.SINGLE_DEVICE(),
+                                       training_parameters=TrainingParameters(n_epochs=1, max_steps=1)))
+    trainer.fit()
+    assert trainer.run_dir == tmp_path / "exp" / "shared-name" and trainer.run_dir.is_dir()
+    assert trainer.seed == 5

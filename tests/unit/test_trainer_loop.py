@@ -1,0 +1,315 @@
+"""BaseTrainer/DreamTrainer lifecycle in one process: hook order, accumulation, errors,
+StopTraining, iterable loaders, logging, state."""
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dream_trainer import (
+    Callback,
+    DeviceParameters,
+    LoggingParameters,
+    StopTraining,
+    TrainerConfig,
+    TrainingParameters,
+)
+from dream_trainer.testing import RecordingCallback, ToyTrainer
+
+
+def make(callbacks=(), trainer_kwargs=None, **training):
+    logging_params = LoggingParameters(log_every_n_steps=training.pop("log_every_n_steps", 1000))
+    params = dict(n_epochs=1, num_sanity_val_steps=0)
+    params.update(training)
+    config = TrainerConfig(
+        root_dir="runs",
+        training_parameters=TrainingParameters(**params),
+        logging_parameters=logging_params,
+        device_parameters=DeviceParameters.SINGLE_DEVICE(),
+        callbacks=list(callbacks),
+    )
+    return ToyTrainer(config, **(trainer_kwargs or {}))
+
+
+# -------------------------------------------------------------------- hook order
+OPT = ["pre_optimizer_step", "post_optimizer_step", "pre_optimizer_zero_grad", "post_optimizer_zero_grad"]
+
+
+def micro(log=False):  # an accumulation micro-batch: no optimizer hooks
+    return ["pre_train_step", "post_train_step"]
+
+
+def opt_step(log=False):
+    return ["pre_train_step", *OPT, "post_train_step"] + (["on_log"] if log else [])
+
+
+def validation(batches, log=True):
+    steps = ["pre_validation_step", "post_validation_step"] * batches
+    return ["pre_validation_epoch", *steps] + (["on_log"] if log else []) + ["post_validation_epoch"]
+
+
+def test_hook_order_two_epochs_accumulation_and_validation():
+    rec = RecordingCallback()
+    # 48 train samples / batch 8 = 6 micro-batches per epoch = 3 optimizer steps (accumulation 2);
+    # 16 val samples = 2 val batches; validation every 2 steps and at epoch end; log every 2 steps.
+    trainer = make(
+        [rec],
+        trainer_kwargs=dict(n_samples=64, batch_size=8),
+        n_epochs=2,
+        gradient_accumulation_steps=2,
+        val_every_n_steps=2,
+        num_sanity_val_steps=1,
+        log_every_n_steps=2,
+    )
+    trainer.fit()
+    expected = (
+        ["pre_launch", "pre_configure", "post_configure", "pre_setup", "post_setup", "pre_fit"]
+        + validation(1, log=False)  # sanity check: not logged
+        # epoch 0: steps 1, 2 (log + validation), 3; then epoch-end validation
+        + ["pre_epoch", "pre_train_epoch"]
+        + micro() + opt_step()
+        + micro() + opt_step(log=True) + validation(2)
+        + micro() + opt_step()
+        + ["post_train_epoch"] + validation(2) + ["post_epoch"]
+        # epoch 1: steps 4 (log + validation), 5, 6 (log + validation); epoch-end validation
+        # is skipped because step 6 just validated
+        + ["pre_epoch", "pre_train_epoch"]
+        + micro() + opt_step(log=True) + validation(2)
+        + micro() + opt_step()
+        + micro() + opt_step(log=True) + validation(2)
+        + ["post_train_epoch", "post_epoch", "post_fit"]
+    )
+    assert rec.hooks == expected
+    counts = rec.counts()
+    for hook in ("launch", "configure", "setup", "fit", "epoch", "train_epoch", "train_step",
+                 "optimizer_step", "optimizer_zero_grad", "validation_epoch", "validation_step"):
+        if f"pre_{hook}" in counts or f"post_{hook}" in counts:
+            if hook != "launch":
+                assert counts[f"pre_{hook}"] == counts[f"post_{hook}"], hook
+    assert counts["pre_train_step"] == 12 and counts["pre_optimizer_step"] == 6
+    assert trainer.global_step == 6 and trainer.current_epoch == 2
+    # the optimizer hooks ran on the last micro-batch of each step, never while accumulating
+    assert not any(c.accumulating for c in rec.calls if c.hook in OPT)
+    assert [c.sanity for c in rec.calls if c.hook == "pre_validation_epoch"] == [True] + [False] * 4
+    # on_log payloads: train metrics on steps 2, 4, 6; val metrics after each validation
+    train_logs = [(step, m) for step, m in rec.logs if "train/loss" in m]
+    assert [step for step, _ in train_logs] == [2, 4, 6]
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/epoch"} <= set(train_logs[0][1])
+    assert all(isinstance(v, float) for _, m in rec.logs for v in m.values())
+
+
+def test_accumulation_matches_one_big_batch():
+    """2 micro-batches of 8 with accumulation == 1 batch of 16 (loss scaled in backward)."""
+    a = make(trainer_kwargs=dict(batch_size=8), gradient_accumulation_steps=2)
+    b = make(trainer_kwargs=dict(batch_size=16))
+    a.fit()
+    b.fit()
+    assert a.global_step == b.global_step == 12
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+
+
+def test_partial_accumulation_at_epoch_end_still_steps():
+    # 6 micro-batches with accumulation 4: steps after batch 4 and after the last batch (6)
+    trainer = make(trainer_kwargs=dict(n_samples=64, batch_size=8), gradient_accumulation_steps=4)
+    trainer.fit()
+    assert trainer.global_step == 2
+
+
+def test_max_steps_and_train_steps_per_epoch():
+    trainer = make(n_epochs=None, max_steps=7, train_steps_per_epoch=3)
+    trainer.fit()
+    assert trainer.global_step == 7 and trainer.current_epoch == 3  # 3 + 3 + 1: the third epoch ends early
+
+
+def test_iterable_dataloader_without_len():
+    rec = RecordingCallback()
+    trainer = make([rec], trainer_kwargs=dict(iterable=True, n_samples=64, batch_size=8), n_epochs=2,
+                   gradient_accumulation_steps=4)
+    with pytest.raises(TypeError):
+        len(trainer.configure_dataloaders()[0])
+    trainer.fit()
+    # 6 batches per epoch, length unknown: the look-ahead still steps on the last batch
+    assert trainer.train_steps_per_epoch is None and trainer.last_epoch_batches == 6
+    assert rec.counts()["pre_train_step"] == 12 and trainer.global_step == 4
+
+
+def test_iterable_with_train_steps_per_epoch():
+    trainer = make(trainer_kwargs=dict(iterable=True, n_samples=64, batch_size=8), n_epochs=2, train_steps_per_epoch=4)
+    trainer.fit()
+    assert trainer.train_steps_per_epoch == 4 and trainer.global_step == 8
+
+
+def test_gradient_clipping_bounds_the_update():
+    trainer = make(trainer_kwargs=dict(lr=1.0), gradient_clip_val=1e-3, n_epochs=None, max_steps=1)
+    before = None
+
+    class Snapshot(Callback):
+        def pre_optimizer_step(self, model, optimizer):
+            nonlocal before
+            before = [p.detach().clone() for p in model.parameters()]
+            grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+            assert grads.norm() <= 1e-3 * (1 + 1e-4)
+
+    trainer.callbacks.add(Snapshot())
+    trainer.fit()
+    delta = torch.cat([(p.detach() - b).flatten() for p, b in zip(trainer.model.parameters(), before)])
+    assert 0 < delta.norm() <= 1e-3 * (1 + 1e-4)  # lr 1: the step is the clipped gradient
+
+
+def test_loss_falls_and_validation_metrics_are_logged():
+    rec = RecordingCallback()
+    trainer = make([rec], n_epochs=5, log_every_n_steps=1)
+    trainer.fit()
+    losses = [float(x) for x in trainer.step_losses]
+    assert losses[-1] < 0.5 * losses[0]
+    val = [m["val/loss"] for _, m in rec.logs if "val/loss" in m]
+    assert len(val) == 5 and val[-1] < val[0]
+    assert trainer.logged_metrics["val/loss"] == val[-1]
+
+
+class Boom(Callback):
+    critical = False
+
+    def post_train_step(self, result, batch_idx):
+        raise RuntimeError("non-critical boom")
+
+
+def test_non_critical_callback_error_does_not_stop_training(caplog):
+    trainer = make([Boom()])
+    with caplog.at_level(logging.WARNING):
+        trainer.fit()
+    assert trainer.global_step == 12
+    assert "non-critical boom" in caplog.text and "disabling callback 'Boom'" in caplog.text
+
+
+class Interrupted(Callback):
+    def __init__(self):
+        self.interrupted = False
+        self.post_fit_ran = False
+
+    def on_interrupt(self):
+        self.interrupted = True
+        assert dist.is_initialized()  # the world is still up while callbacks react
+
+    def post_fit(self):
+        self.post_fit_ran = True
+
+
+def test_critical_error_stops_runs_on_interrupt_and_destroys_process_group():
+    class Critical(Callback):
+        def post_train_step(self, result, batch_idx):
+            if self.trainer.global_step == 3:
+                raise ValueError("critical boom")
+
+    watcher = Interrupted()
+    trainer = make([Critical(), watcher])
+    with pytest.raises(ValueError, match="critical boom"):
+        trainer.fit()
+    assert trainer.global_step == 3
+    assert watcher.interrupted and not watcher.post_fit_ran
+    assert not dist.is_initialized()
+
+
+def test_stop_training_ends_fit_cleanly():
+    class Stopper(Callback):
+        def post_train_step(self, result, batch_idx):
+            if self.trainer.global_step == 4:
+                raise StopTraining("loss is low enough")
+
+    watcher = Interrupted()
+    trainer = make([Stopper(), watcher], n_epochs=3)
+    trainer.fit()  # returns normally
+    assert trainer.global_step == 4 and trainer.stop_reason == "loss is low enough"
+    assert watcher.post_fit_ran and not watcher.interrupted
+    assert not dist.is_initialized()
+
+
+def test_log_dict_is_dropped_without_sync_off_log_steps():
+    seen = []
+
+    class Logs(Callback):
+        def on_log(self, metrics, step):
+            seen.append((step, sorted(metrics)))
+
+    class Logging(ToyTrainer):
+        def training_step(self, batch, batch_idx):
+            out = super().training_step(batch, batch_idx)
+            self.log_dict({"train/custom": out["loss"] * 2})
+            return out
+
+    trainer = Logging(make([Logs()], log_every_n_steps=4).config)
+    trainer.fit()
+    custom = [step for step, keys in seen if "train/custom" in keys]
+    # logged on steps 4, 8, 12 only, in the same payload as the step's own metrics
+    assert custom == [4, 8, 12]
+    assert all("train/loss" in keys for _, keys in seen if "train/custom" in keys)
+    assert trainer.logged_metrics["train/custom"] == pytest.approx(2 * float(trainer.step_losses[-1]), rel=1e-6)
+
+
+def test_state_dict_round_trip():
+    a = make(n_epochs=2)
+    a.fit()
+    state = a.state_dict()
+    b = make(n_epochs=2)
+    b.world.launch()
+    try:
+        b.configure()
+        b.load_state_dict(state)
+    finally:
+        b.world.teardown()
+    assert b.global_step == a.global_step and b.resumed
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_training_step_must_return_a_dict():
+    class Bad(ToyTrainer):
+        def training_step(self, batch, batch_idx):
+            super().training_step(batch, batch_idx)
+            return 1.0
+
+    with pytest.raises(TypeError, match="training_step must return a dict"):
+        Bad(make().config).fit()
+    assert not dist.is_initialized()
+
+
+def test_missing_train_dataloader_is_a_clear_error():
+    class NoData(ToyTrainer):
+        def configure_dataloaders(self):
+            return None
+
+    with pytest.raises(ValueError, match="set self.train_dataloader"):
+        NoData(make().config).fit()
+
+
+def test_dream_trainer_requires_hooks_the_config_needs():
+    cfg = make().config
+    cfg.device_parameters = DeviceParameters.SINGLE_DEVICE(compile_model=True)
+    with pytest.raises(NotImplementedError, match=r"compile_model=True.*apply_compile\(\)"):
+        ToyTrainer(cfg).fit()
+
+
+def test_meta_tensor_left_behind_is_reported():
+    class LeavesMeta(ToyTrainer):
+        def init_weights(self):
+            super().init_weights()
+            self.model.register_buffer("stale", torch.empty(3, device="meta"))
+
+    with pytest.raises(RuntimeError, match=r"still on the meta device: model\.stale"):
+        LeavesMeta(make().config).fit()
+
+
+def test_models_are_built_on_meta_and_materialized():
+    devices = []
+
+    class Spy(ToyTrainer):
+        def configure_models(self):
+            super().configure_models()
+            devices.append(next(self.model.parameters()).device.type)
+
+    trainer = Spy(make().config)
+    trainer.fit()
+    assert devices == ["meta"] and next(trainer.model.parameters()).device.type == "cpu"
