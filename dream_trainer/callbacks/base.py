@@ -15,8 +15,6 @@ import torch
 
 TrainerT = TypeVar("TrainerT")
 
-#: Every hook a callback can override, in lifecycle order. `CallbackCollection` has one
-#: dispatch method of the same name for each of them (checked when the module loads).
 HOOKS: tuple[str, ...] = (
     "pre_launch",
     "pre_configure",
@@ -42,15 +40,19 @@ HOOKS: tuple[str, ...] = (
     "on_log",
     "on_interrupt",
 )
+"""Every hook a callback can override, in lifecycle order. `CallbackCollection` has one
+dispatch method of the same name for each of them (checked when the module loads)."""
 
-#: Hooks that return a context manager (or None) instead of being called for effect.
 CONTEXT_HOOKS: tuple[str, ...] = ("train_context", "validation_context")
+"""Hooks that return a context manager (or None) instead of being called for effect."""
 
 
 class StopTraining(Exception):
     """Raise from any hook (or a training step) to end `fit()` cleanly.
 
-    The loop stops at once, `post_fit` runs and the world is torn down; `fit()` returns
+    Raised from `pre_fit`, the sanity check or the training loop, the loop stops at once and
+    `post_fit` runs; raised earlier (launch, configure, setup) or from `post_fit`, the rest
+    of the lifecycle is skipped. Either way the world is torn down, `fit()` returns
     normally and `trainer.stop_reason` holds the message.
     """
 
@@ -67,7 +69,7 @@ class Callback(Generic[TrainerT]):
     `CallbackCollection.initialize` checks it with ``isinstance`` and fails with a clear
     message otherwise.
 
-    Class attributes:
+    Attributes:
         critical: when False, an exception raised by a hook is logged (with traceback,
             once) and training goes on; after `max_consecutive_failures` failures on
             consecutive steps the callback is disabled. Critical callbacks propagate.

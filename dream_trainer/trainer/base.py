@@ -448,8 +448,9 @@ class BaseTrainer(AbstractTrainer):
         return min(lengths)  # type: ignore[type-var]
 
     def _agree_on_run_identity(self) -> None:
-        """Every rank takes rank 0's run name, directory and seed; what the launcher put in
-        the environment (`RunIdentity`) wins over the config."""
+        """Every rank takes rank 0's run name, directory and seed. Run name: the config's,
+        else the launcher's (`RunIdentity`), else a timestamp. Run directory and seed: the
+        launcher's when it set them, else from the config."""
         env, cfg = RunIdentity.from_env(), self.config
         run_name = cfg.run_name or env.run_name or time.strftime("%Y%m%d-%H%M%S")
         run_dir = env.run_dir or os.path.join(cfg.root_dir, env.experiment or cfg.experiment, run_name)

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from dream_trainer.configs import DeviceParameters
 
-#: Mesh dimension names, outermost first.
 MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "tp")
+"""Mesh dimension names, outermost first."""
 
 _FIELDS = {"dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "cp": "context_parallel", "tp": "tensor_parallel"}
 
@@ -75,29 +75,39 @@ def plan_mesh(params: DeviceParameters, world_size: int, local_world_size: int |
     sizes = dict(requested)
     if auto_dim is not None:
         if world_size % fixed:
-            raise MeshPlanError(_message(requested, world_size, f"the fixed sizes multiply to {fixed}, which does not divide it"))
+            raise MeshPlanError(
+                _message(requested, world_size, f"the fixed sizes multiply to {fixed}, which does not divide it", local_world_size)
+            )
         sizes[auto_dim] = world_size // fixed
     elif fixed != world_size:
-        raise MeshPlanError(_message(requested, world_size, f"the sizes multiply to {fixed}"))
+        raise MeshPlanError(_message(requested, world_size, f"the sizes multiply to {fixed}", local_world_size))
     plan = MeshPlan(**sizes)  # type: ignore[arg-type]
     if local_world_size is not None and plan.tp > local_world_size:
         raise MeshPlanError(
-            _message(requested, world_size, f"tensor_parallel={plan.tp} is larger than a node ({local_world_size} ranks)")
+            _message(
+                requested,
+                world_size,
+                f"tensor_parallel={plan.tp} is larger than a node ({local_world_size} ranks)",
+                local_world_size,
+            )
         )
     return plan
 
 
-def _message(requested: dict[str, object], world_size: int, why: str) -> str:
+def _message(requested: dict[str, object], world_size: int, why: str, local_world_size: int | None) -> str:
     given = ", ".join(f"{_FIELDS[dim]}={size!r}" for dim, size in requested.items())
     return (
         f"cannot lay out the device mesh ({given}) on a world of {world_size} rank(s): {why}. "
-        f"A plan that fits: {_suggest(requested, world_size)}"
+        f"A plan that fits: {_suggest(requested, world_size, local_world_size)}"
     )
 
 
-def _suggest(requested: dict[str, object], world_size: int) -> str:
-    """Keep the model-parallel sizes that divide the world, give data parallelism the rest."""
+def _suggest(requested: dict[str, object], world_size: int, local_world_size: int | None) -> str:
+    """Keep the model-parallel sizes that divide the world (tensor parallelism within a
+    node), give data parallelism the rest."""
     keep = {dim: size for dim, size in requested.items() if dim in ("cp", "tp") and isinstance(size, int)}
+    if local_world_size is not None and keep.get("tp", 1) > local_world_size:
+        keep["tp"] = max(d for d in range(1, local_world_size + 1) if local_world_size % d == 0 and world_size % d == 0)
     model_parallel = 1
     for dim in ("tp", "cp"):
         size = keep.get(dim, 1)

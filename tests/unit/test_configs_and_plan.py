@@ -73,7 +73,7 @@ def test_bad_plans_name_sizes_and_a_fix():
         plan_mesh(DeviceParameters.FSDP(dp_shard=3), 4)
     with pytest.raises(MeshPlanError, match=r"world of 2 rank"):
         plan_mesh(DeviceParameters.SINGLE_DEVICE(), 2)
-    with pytest.raises(MeshPlanError, match=r"larger than a node"):
+    with pytest.raises(MeshPlanError, match=r"larger than a node.*tensor_parallel=2\)"):
         plan_mesh(DeviceParameters(dp_replicate="auto", tensor_parallel=4), 8, local_world_size=2)
 
 
