@@ -18,6 +18,7 @@ needs one the subclass does not implement, configure fails before building anyth
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -140,7 +141,10 @@ class DreamTrainer(BaseTrainer):
             model.to_empty(device=self.world.device)
         if self.seed is not None:
             seed_everything(self.seed)
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            # On a CPU mesh DTensor warns that its random ops may be incomplete; init with
+            # the same seed on every rank is what DDP/FSDP need here, so the warning is noise.
+            warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
             self.init_weights()
         left = [
             f"{model_name}.{name}"
