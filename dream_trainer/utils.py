@@ -28,15 +28,18 @@ def detach_result(result: Any, where: str) -> dict[str, Any]:
         return {}
     if not isinstance(result, dict):
         raise TypeError(f"{where} must return a dict (e.g. {{'loss': loss}}) or None, got {type(result).__name__}")
-    return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in result.items()}
+    return {k: v.detach() if isinstance(v, torch.Tensor) and v.requires_grad else v for k, v in result.items()}
 
 
 def to_floats(metrics: dict[str, Any]) -> dict[str, float]:
     """Convert metric values to floats with one host-device transfer for all tensors."""
     tensors = {k: v for k, v in metrics.items() if isinstance(v, torch.Tensor)}
     out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
-    if tensors:
+    if tensors and all(t.device.type == "cpu" for t in tensors.values()):
+        out.update((k, float(t.detach())) for k, t in tensors.items())  # on the CPU: reading is free
+    elif tensors:
         # The one deliberate sync of a log step: all tensor metrics in one transfer.
-        values = torch.stack([t.detach().float().reshape(()) for t in tensors.values()]).tolist()
+        first = next(iter(tensors.values()))
+        values = torch.stack([t.detach().float().reshape(()).to(first.device) for t in tensors.values()]).tolist()
         out.update(zip(tensors, values))
     return {k: out[k] for k in metrics}

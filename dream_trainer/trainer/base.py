@@ -67,6 +67,7 @@ class BaseTrainer(AbstractTrainer):
         self._optimizer_params: dict[int, list[nn.Parameter]] = {}
         self._optimizer_models: dict[int, nn.Module | None] = {}
         self._optimizer_schedulers: dict[int, list[Any]] = {}
+        self._optimizer_names: dict[int, str] = {}
         self._last_val_step: int | None = None
 
     # ================================================================== user hooks
@@ -181,7 +182,7 @@ class BaseTrainer(AbstractTrainer):
                     self.world.relax_timeout()
             cb.post_train_step(result, batch_idx)
             loss = result.get("loss")
-            if isinstance(loss, torch.Tensor):
+            if isinstance(loss, torch.Tensor) and loss.ndim == 0:
                 losses.append(loss)
             if self._log_gate:
                 self._log_train_step(result)
@@ -196,7 +197,7 @@ class BaseTrainer(AbstractTrainer):
         self.last_epoch_batches = batch_idx + 1
         result: dict[str, Any] = {"batches": batch_idx + 1}
         if losses:
-            result["loss"] = torch.stack([loss.float().reshape(()) for loss in losses]).mean()
+            result["loss"] = torch.stack(losses).float().mean()
         return result
 
     def _run_step(self, fn: Any, batch: Any, batch_idx: int, context_hook: str, no_sync: bool) -> dict[str, Any]:
@@ -229,6 +230,7 @@ class BaseTrainer(AbstractTrainer):
         if key not in self._optimizer_params:
             self._optimizer_params[key] = [p for g in optimizer.param_groups for p in g["params"]]
             self._optimizer_models[key] = self.model_for(optimizer)
+            self._optimizer_names[key] = self._optimizer_name(optimizer)
             self._optimizer_schedulers[key] = [
                 s for s in self.named_schedulers().values() if s.optimizer is optimizer
             ]
@@ -240,7 +242,7 @@ class BaseTrainer(AbstractTrainer):
         elif self._log_gate and self.logging_parameters.log_grad_norm:
             norm = self.world.total_gradient_norm(self._optimizer_params[key])
         if norm is not None:
-            self._grad_norms[self._optimizer_name(optimizer)] = norm
+            self._grad_norms[self._optimizer_names[key]] = norm
         cb = self.callbacks
         cb.pre_optimizer_step(model, optimizer)  # type: ignore[arg-type]
         optimizer.step()
@@ -373,7 +375,7 @@ class BaseTrainer(AbstractTrainer):
         if self.logging_parameters.log_lr:
             optimizers = self.named_optimizers()
             for name, opt in optimizers.items():
-                metrics["train/lr" if len(optimizers) == 1 else f"train/lr/{name}"] = float(opt.param_groups[0]["lr"])
+                metrics["train/lr" if len(optimizers) == 1 else f"train/lr/{name}"] = opt.param_groups[0]["lr"]
         for name, norm in self._grad_norms.items():
             metrics["train/grad_norm" if len(self._grad_norms) == 1 else f"train/grad_norm/{name}"] = norm
         self._grad_norms = {}

@@ -230,8 +230,12 @@ class DistributedWorld:
         if not groups:
             return torch.zeros((), device=self.device)
         norms = []
-        for grads in groups.values():
-            norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
+        for key, grads in groups.items():
+            if key is None and len({(g.device, g.dtype) for g in grads}) == 1:
+                # Plain tensors on one device: one foreach kernel, no regrouping.
+                norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, norm_type)), norm_type)
+            else:
+                norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
             if isinstance(norm, DTensor):
                 norm = norm.full_tensor()
             norms.append(norm)
