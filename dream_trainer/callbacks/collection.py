@@ -184,6 +184,9 @@ class CallbackCollection:
             self._contexts[hook] = tuple(
                 getattr(cb, hook) for cb in active if hook in overrides[id(cb)]
             )
+        #: Whether any callback returns a context for training / validation steps.
+        self.has_train_context = bool(self._contexts["train_context"])
+        self.has_validation_context = bool(self._contexts["validation_context"])
 
     # ---------------------------------------------------------------- dispatch core
     # One loop per arity: ``fn(a, b)`` is measurably cheaper than ``fn(*args)`` when 20
@@ -245,9 +248,6 @@ class CallbackCollection:
             if ctx is not None:
                 out.append(ctx)
         return out
-
-    def has_contexts(self, hook: str) -> bool:
-        return bool(self._contexts[hook])
 
     def listens(self, hook: str) -> bool:
         """Whether any active callback overrides `hook`."""

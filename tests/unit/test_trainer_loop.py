@@ -1,6 +1,7 @@
 """BaseTrainer/DreamTrainer lifecycle in one process: hook order, accumulation, errors,
 StopTraining, iterable loaders, logging, state."""
 
+import contextlib
 import logging
 
 import pytest
@@ -313,3 +314,49 @@ def test_models_are_built_on_meta_and_materialized():
     trainer = Spy(make().config)
     trainer.fit()
     assert devices == ["meta"] and next(trainer.model.parameters()).device.type == "cpu"
+
+
+def test_train_and_validation_contexts_wrap_every_step():
+    events = []
+
+    @contextlib.contextmanager
+    def tag(name):
+        events.append(f"enter {name}")
+        yield
+        events.append(f"exit {name}")
+
+    class Contexts(Callback):
+        def train_context(self):
+            return tag("train")
+
+        def validation_context(self):
+            return tag("val")
+
+    class Steps(ToyTrainer):
+        def training_step(self, batch, batch_idx):
+            events.append("train_step")
+            return super().training_step(batch, batch_idx)
+
+        def validation_step(self, batch, batch_idx):
+            events.append("val_step")
+            return super().validation_step(batch, batch_idx)
+
+    Steps(make([Contexts()], trainer_kwargs=dict(n_samples=32, batch_size=8), gradient_accumulation_steps=2).config,
+          n_samples=32, batch_size=8).fit()
+    train = ["enter train", "train_step", "exit train"]
+    val = ["enter val", "val_step", "exit val"]
+    assert events == train * 3 + val * 1  # 24 train samples / 8, 8 val samples / 8
+
+
+def test_autocast_from_device_parameters():
+    dtypes = []
+
+    class Spy(ToyTrainer):
+        def training_step(self, batch, batch_idx):
+            dtypes.append(self.model(batch[0]).dtype)
+            return super().training_step(batch, batch_idx)
+
+    cfg = make().config
+    cfg.device_parameters = DeviceParameters.SINGLE_DEVICE(autocast_dtype=torch.bfloat16)
+    Spy(cfg).fit()
+    assert set(dtypes) == {torch.bfloat16}
