@@ -21,7 +21,7 @@ from dream_trainer.testing import RecordingCallback, ToyTrainer
 
 
 def make(callbacks=(), trainer_kwargs=None, **training):
-    logging_params = LoggingParameters(log_every_n_steps=training.pop("log_every_n_steps", 1000))
+    logging_params = LoggingParameters(log_every_n_steps=training.pop("log_every_n_steps", 1000), log_grad_norm=True)
     params = dict(n_epochs=1, num_sanity_val_steps=0)
     params.update(training)
     config = TrainerConfig(
