@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 

@@ -7,7 +7,6 @@ import logging
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from dream_trainer import (
     Callback,
