@@ -3,6 +3,6 @@
 
 from dream_trainer.testing.recording import Call, RecordingCallback
 from dream_trainer.testing.spawn import SpawnError, spawn_world
-from dream_trainer.testing.toy import ToyTrainer, toy_data
+from dream_trainer.testing.toy import ToyTrainer, copy_full_, toy_data
 
-__all__ = ["Call", "RecordingCallback", "SpawnError", "ToyTrainer", "spawn_world", "toy_data"]
+__all__ = ["Call", "RecordingCallback", "SpawnError", "ToyTrainer", "copy_full_", "spawn_world", "toy_data"]

@@ -22,6 +22,17 @@ def toy_data(n_samples: int = 256, in_features: int = 8, seed: int = 0) -> tuple
     return x, y
 
 
+@torch.no_grad()
+def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full (unsharded) tensor into `param`, which may be a DTensor: each rank keeps
+    its own part, with no communication."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        full = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(full)
+
+
 class _Stream(IterableDataset):
     """An iterable view of a tensor dataset without ``__len__``."""
 
@@ -59,6 +70,29 @@ class ToyTrainer(DreamTrainer):
 
     def configure_models(self) -> None:
         self.model = nn.Sequential(nn.Linear(self.in_features, self.hidden), nn.Tanh(), nn.Linear(self.hidden, 1))
+
+    def init_weights(self) -> None:
+        """Deterministic and layout-independent: each full tensor is drawn from a generator
+        seeded with the run's seed, then each rank keeps its part (FSDP shard, TP slice), so
+        runs on 1 and N ranks start from the same weights."""
+        g = torch.Generator().manual_seed(self.seed or 0)
+        for name, param in self.model.named_parameters():
+            fan_in = param.shape[-1] if param.ndim > 1 else self.hidden
+            bound = 1.0 / fan_in**0.5
+            full = torch.empty(param.shape).uniform_(-bound, bound, generator=g)
+            copy_full_(param, full)
+
+    def apply_fully_shard(self, fsdp_config: dict[str, Any]) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (self.model[0], self.model[2]):
+            fully_shard(layer, **fsdp_config)
+        fully_shard(self.model, **fsdp_config)
+
+    def apply_tensor_parallel(self, tp_mesh: Any) -> None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        parallelize_module(self.model, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
     def configure_optimizers(self) -> None:
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=self.lr)
