@@ -211,47 +211,58 @@ class DistributedWorld:
         return all(v == values[0] for v in values[1:])
 
     # ------------------------------------------------------------------ gradients
-    @torch.no_grad()
-    def total_gradient_norm(self, parameters: Iterable[torch.nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
-        """The global gradient norm as one device tensor (no host sync).
-
-        DTensor gradients (FSDP2, replicate, TP) are grouped by mesh and placements; each
-        group's norm is reduced over its mesh, then the groups are combined.
-        """
+    @staticmethod
+    def _gradient_groups(parameters: Iterable[torch.nn.Parameter]) -> list[list[torch.Tensor]]:
+        """Gradients grouped so each group is one kind: plain tensors, or DTensors of one
+        mesh and placement (foreach kernels cannot mix them)."""
         from torch.distributed.tensor import DTensor
 
         groups: dict[Any, list[torch.Tensor]] = {}
         for p in parameters:
-            if p.grad is None:
-                continue
             g = p.grad
-            key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+            if g is None:
+                continue
+            key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else (g.device, g.dtype)
             groups.setdefault(key, []).append(g)
+        return list(groups.values())
+
+    @torch.no_grad()
+    def _norm_of_groups(self, groups: list[list[torch.Tensor]], norm_type: float) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
         if not groups:
             return torch.zeros((), device=self.device)
         norms = []
-        for key, grads in groups.items():
-            if key is None and len({(g.device, g.dtype) for g in grads}) == 1:
-                # Plain tensors on one device: one foreach kernel, no regrouping.
-                norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, norm_type)), norm_type)
-            else:
-                norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
+        for grads in groups:
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, norm_type)), norm_type)
             if isinstance(norm, DTensor):
-                norm = norm.full_tensor()
-            norms.append(norm)
+                norm = norm.full_tensor()  # reduce a sharded (or partial) norm over its mesh
+            norms.append(norm.float())
         if len(norms) == 1:
             return norms[0]
-        return torch.linalg.vector_norm(torch.stack(norms), ord=norm_type)
+        return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+
+    def total_gradient_norm(self, parameters: Iterable[torch.nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
+        """The global gradient norm as one device tensor (no host sync).
+
+        Gradients are grouped by kind (plain tensors by device and dtype; DTensors from
+        FSDP2, replicate or TP by mesh and placements); each group's norm is reduced over its
+        mesh, then the groups are combined.
+        """
+        return self._norm_of_groups(self._gradient_groups(parameters), norm_type)
 
     @torch.no_grad()
     def clip_grad_norm_(
         self, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
         """Clip gradients in place to a global norm of `max_norm`; return the norm before
-        clipping (a device tensor: nothing is read to the host)."""
-        params = [p for p in parameters if p.grad is not None]
-        total = self.total_gradient_norm(params, norm_type)
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        clipping (a device tensor: nothing is read to the host). Works on a mix of plain and
+        DTensor gradients (e.g. tensor-parallel blocks with replicated embeddings)."""
+        groups = self._gradient_groups(parameters)
+        total = self._norm_of_groups(groups, norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grads in groups:
+            torch._foreach_mul_(grads, coefficient.to(grads[0].device))
         return total
 
     # ------------------------------------------------------------------ contexts

@@ -3,6 +3,7 @@
     python examples/gpt/train.py                      # one process (about a minute on 2 CPU cores)
     python examples/gpt/train.py --nproc 2            # 2 local ranks, spawned by dream_trainer
     torchrun --nproc_per_node 2 examples/gpt/train.py # 2 ranks under torchrun (DDP over gloo on CPU)
+    torchrun --nproc_per_node 2 examples/gpt/train.py --parallel fsdp   # or tp; --compile
 
 Metrics go to ``runs/gpt/<run>/logs`` (TensorBoard event files and metrics.jsonl).
 """
@@ -56,6 +57,34 @@ class GPTTrainer(DreamTrainer):
 
     def configure_models(self) -> None:
         self.model = GPT(self.gpt_config)  # on the meta device: nothing allocated yet
+
+    # -- parallelism: called by DreamTrainer only when the DeviceParameters ask for it --------
+    def apply_tensor_parallel(self, tp_mesh: Any) -> None:
+        """Megatron-style: q/k/v and fc1 split by output features, o_proj and fc2 by input
+        features, so each block needs one all-reduce in attention and one in the MLP."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        plan = {
+            "attn.q_proj": ColwiseParallel(),
+            "attn.k_proj": ColwiseParallel(),
+            "attn.v_proj": ColwiseParallel(),
+            "attn.o_proj": RowwiseParallel(),
+            "mlp.fc1": ColwiseParallel(),
+            "mlp.fc2": RowwiseParallel(),
+        }
+        for block in self.model.blocks:
+            parallelize_module(block, tp_mesh, plan)
+
+    def apply_compile(self) -> None:
+        for block in self.model.blocks:
+            block.compile()  # per block: small graphs, compiled once and reused by every block
+
+    def apply_fully_shard(self, fsdp_config: dict[str, Any]) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in self.model.blocks:
+            fully_shard(block, **fsdp_config)  # one all-gather / reduce-scatter per block
+        fully_shard(self.model, **fsdp_config)  # the root: embeddings, final norm, head
 
     def configure_optimizers(self) -> None:
         decay = [p for p in self.model.parameters() if p.ndim >= 2]
@@ -112,6 +141,15 @@ class ValidationHistory(Callback[DreamTrainer]):
             self.history.append((self.trainer.global_step, float(result["val/loss"])))
 
 
+PARALLEL = {
+    "single": DeviceParameters.SINGLE_DEVICE,
+    "ddp": DeviceParameters.DDP,  # one rank: plain; N ranks: gradients averaged
+    "fsdp": DeviceParameters.FSDP,  # parameters, gradients and optimizer state sharded
+    "hsdp": lambda **kw: DeviceParameters.HSDP(dp_shard=2, **kw),  # shard in pairs, replicate pairs
+    "tp": lambda **kw: DeviceParameters(dp_replicate="auto", tensor_parallel=2, **kw),
+}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=250, help="optimizer steps")
@@ -128,6 +166,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--root-dir", default="runs")
     p.add_argument("--run-name", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--parallel", choices=sorted(PARALLEL), default="ddp",
+                   help="how ranks share the work (single: one process; hsdp needs 4 ranks, tp 2)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     p.add_argument("--progress", action="store_true", help="draw the progress bar even when not a terminal")
     return p.parse_args(argv)
 
@@ -140,7 +181,7 @@ def main(argv: list[str] | None = None) -> GPTTrainer:
         run_name=args.run_name,
         root_dir=args.root_dir,
         seed=args.seed,
-        device_parameters=DeviceParameters.DDP(),  # one rank: plain; N ranks: gradients averaged
+        device_parameters=PARALLEL[args.parallel](compile_model=args.compile),
         training_parameters=TrainingParameters(
             n_epochs=None,
             max_steps=args.steps,

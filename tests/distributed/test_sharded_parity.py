@@ -5,6 +5,7 @@ trains and reduces float32 gradients."""
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Replicate
 
 from dream_trainer import Callback, DeviceParameters, TrainerConfig, TrainingParameters
 from dream_trainer.testing import ToyTrainer, spawn_world
@@ -42,10 +43,38 @@ class GradDtypes(Callback):
             self.sharded.add(type(p.grad).__name__)
 
 
+def _mixed_clip():
+    """A tensor-parallel layer next to a plain (replicated) one: the world's norm and
+    clipping handle the mix and agree with the norm of the full gradients."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from dream_trainer import DistributedWorld
+
+    world = DistributedWorld(DeviceParameters(dp_replicate=1, tensor_parallel=2))
+    world.launch()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
+    full_model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
+    full_model.load_state_dict(model.state_dict())
+    parallelize_module(model, world.get_mesh("tp"), {"0": ColwiseParallel(output_layouts=Replicate())})
+    x = torch.randn(5, 4)
+    model(x).pow(2).sum().backward()
+    full_model(x).pow(2).sum().backward()
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in full_model.parameters()]))
+    norm = world.clip_grad_norm_(model.parameters(), max_norm=0.5)
+    clipped = torch.linalg.vector_norm(torch.stack([
+        (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).norm() for p in model.parameters()
+    ]))
+    kinds = sorted({type(p.grad).__name__ for p in model.parameters()})
+    world.teardown()
+    return {"norm": norm, "expected": expected, "clipped": clipped, "kinds": kinds}
+
+
 def _sharded_runs():
     dist.init_process_group("gloo")  # reused by every fit below
     grads = GradDtypes()
     return {
+        "mixed_clip": _mixed_clip(),
         # global batch 16 = 2 ranks x 2 micro-batches x 4
         "fsdp": _run(DeviceParameters.FSDP(), batch_size=4, accumulation=2),
         # both ranks see the same batch of 16; the hidden layer is split over them
@@ -75,6 +104,12 @@ def test_fsdp_and_tp_match_single_process_and_bf16_fsdp_trains():
             per_step = r0["losses"]
             torch.testing.assert_close(r1["losses"], r0["losses"])
         torch.testing.assert_close(per_step, single["losses"], atol=ATOL, rtol=RTOL, msg=kind)
+    # clipping a mix of tensor-parallel DTensor and plain gradients
+    for rank in ranks:
+        mixed = rank["mixed_clip"]
+        assert mixed["kinds"] == ["DTensor", "Tensor"]
+        torch.testing.assert_close(mixed["norm"], mixed["expected"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mixed["clipped"], torch.tensor(0.5), rtol=1e-4, atol=1e-5)
     # FSDP2 with bf16 parameters: the loss falls and the gradients the optimizer sees are the
     # float32 sharded (DTensor) gradients of the float32 master parameters.
     bf16 = ranks[0]["fsdp_bf16"]
