@@ -89,6 +89,10 @@ class ToyTrainer(DreamTrainer):
             fully_shard(layer, **fsdp_config)
         fully_shard(self.model, **fsdp_config)
 
+    def apply_compile(self) -> None:
+        for layer in (self.model[0], self.model[2]):
+            layer.compile()
+
     def apply_tensor_parallel(self, tp_mesh: Any) -> None:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
