@@ -286,10 +286,27 @@ def test_missing_train_dataloader_is_a_clear_error():
 
 
 def test_dream_trainer_requires_hooks_the_config_needs():
+    from dream_trainer import DreamTrainer
+
+    class NoCompile(ToyTrainer):
+        apply_compile = DreamTrainer.apply_compile  # as if the subclass never wrote it
+
+    built = []
+
+    class Spy(NoCompile):
+        def configure_models(self):
+            built.append(True)
+            super().configure_models()
+
     cfg = make().config
     cfg.device_parameters = DeviceParameters.SINGLE_DEVICE(compile_model=True)
     with pytest.raises(NotImplementedError, match=r"compile_model=True.*apply_compile\(\)"):
-        ToyTrainer(cfg).fit()
+        Spy(cfg).fit()
+    cfg.device_parameters = DeviceParameters.SINGLE_DEVICE(checkpoint_activations=True)
+    with pytest.raises(NotImplementedError, match=r"checkpoint_activations=True.*apply_activation_checkpointing"):
+        Spy(cfg).fit()
+    assert built == []  # failed before building anything
+    assert not dist.is_initialized()
 
 
 def test_meta_tensor_left_behind_is_reported():
