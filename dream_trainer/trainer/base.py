@@ -163,7 +163,6 @@ class BaseTrainer(AbstractTrainer):
         tp, cb = self.training_parameters, self.callbacks
         accumulation, log_every = tp.gradient_accumulation_steps, self.logging_parameters.log_every_n_steps
         move = self.world.device.type != "cpu"
-        autocast = self.world.device_parameters.autocast_dtype is not None
         for model in self.named_models().values():
             model.train()
         _set_epoch(self.train_dataloader, self.current_epoch)
@@ -176,10 +175,7 @@ class BaseTrainer(AbstractTrainer):
             if move:
                 batch = to_device(batch, self.world.device)
             cb.pre_train_step(batch, batch_idx)
-            if accumulating or autocast or cb.has_train_context:
-                result = self._run_step(self.training_step, batch, batch_idx, "train_context", accumulating)
-            else:  # the common case, without an ExitStack
-                result = detach_result(self.training_step(batch, batch_idx), "training_step")
+            result = self._run_step(self.training_step, batch, batch_idx, "train_context", accumulating)
             if not accumulating:
                 self.global_step += 1
                 if self.global_step == 1:
@@ -206,7 +202,11 @@ class BaseTrainer(AbstractTrainer):
 
     def _run_step(self, fn: Any, batch: Any, batch_idx: int, context_hook: str, no_sync: bool) -> dict[str, Any]:
         """Call a step function inside the world's and the callbacks' contexts."""
-        world_ctx = self.world.train_context() if context_hook == "train_context" else None
+        training = context_hook == "train_context"
+        world_ctx = self.world.train_context() if training else None
+        has_callback_ctx = self.callbacks.has_train_context if training else self.callbacks.has_validation_context
+        if world_ctx is None and not no_sync and not has_callback_ctx:
+            return detach_result(fn(batch, batch_idx), fn.__name__)  # the common case: no ExitStack
         with ExitStack() as stack:
             if no_sync:
                 stack.enter_context(self.no_gradient_sync())
