@@ -59,7 +59,8 @@ def plan_mesh(params: DeviceParameters, world_size: int, local_world_size: int |
 
     Raises:
         MeshPlanError: the sizes do not multiply to the world size, an ``"auto"`` size
-            does not divide it, or tensor parallelism spans more than one node. The
+            does not divide it, or a tensor-parallel group would span two nodes (``tp``
+            must divide `local_world_size`). The
             message names the sizes given, the world size and a plan that would fit.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -82,14 +83,10 @@ def plan_mesh(params: DeviceParameters, world_size: int, local_world_size: int |
     elif fixed != world_size:
         raise MeshPlanError(_message(requested, world_size, f"the sizes multiply to {fixed}", local_world_size))
     plan = MeshPlan(**sizes)  # type: ignore[arg-type]
-    if local_world_size is not None and plan.tp > local_world_size:
+    if local_world_size is not None and (plan.tp > local_world_size or local_world_size % plan.tp):
+        why = "is larger than a node" if plan.tp > local_world_size else "does not divide a node"
         raise MeshPlanError(
-            _message(
-                requested,
-                world_size,
-                f"tensor_parallel={plan.tp} is larger than a node ({local_world_size} ranks)",
-                local_world_size,
-            )
+            _message(requested, world_size, f"tensor_parallel={plan.tp} {why} ({local_world_size} ranks)", local_world_size)
         )
     return plan
 
@@ -106,7 +103,7 @@ def _suggest(requested: dict[str, object], world_size: int, local_world_size: in
     """Keep the model-parallel sizes that divide the world (tensor parallelism within a
     node), give data parallelism the rest."""
     keep = {dim: size for dim, size in requested.items() if dim in ("cp", "tp") and isinstance(size, int)}
-    if local_world_size is not None and keep.get("tp", 1) > local_world_size:
+    if local_world_size is not None and local_world_size % keep.get("tp", 1):
         keep["tp"] = max(d for d in range(1, local_world_size + 1) if local_world_size % d == 0 and world_size % d == 0)
     model_parallel = 1
     for dim in ("tp", "cp"):

@@ -54,27 +54,53 @@ def test_trainer_config_errors():
 
 
 @pytest.mark.parametrize(
-    "params, world, dims",
+    "params, world, local, dims, dp, kind",
     [
-        (DeviceParameters.SINGLE_DEVICE(), 1, (1, 1, 1, 1)),
-        (DeviceParameters.DDP(), 4, (4, 1, 1, 1)),
-        (DeviceParameters.FSDP(), 2, (1, 2, 1, 1)),
-        (DeviceParameters.HSDP(dp_shard=2), 4, (2, 2, 1, 1)),
-        (DeviceParameters(dp_replicate=1, dp_shard="auto", tensor_parallel=2), 8, (1, 4, 1, 2)),
+        (DeviceParameters.SINGLE_DEVICE(), 1, None, (1, 1, 1, 1), 1, "none"),
+        (DeviceParameters.DDP(), 1, None, (1, 1, 1, 1), 1, "none"),
+        (DeviceParameters.DDP(), 4, None, (4, 1, 1, 1), 4, "ddp"),
+        (DeviceParameters.FSDP(), 1, None, (1, 1, 1, 1), 1, "none"),
+        (DeviceParameters.FSDP(), 2, None, (1, 2, 1, 1), 2, "fsdp"),
+        (DeviceParameters.FSDP(dp_shard=2), 2, 2, (1, 2, 1, 1), 2, "fsdp"),
+        (DeviceParameters.HSDP(dp_shard=2), 4, None, (2, 2, 1, 1), 4, "hsdp"),
+        (DeviceParameters.HSDP(dp_shard=2), 8, 4, (4, 2, 1, 1), 8, "hsdp"),
+        (DeviceParameters(dp_replicate=1, dp_shard="auto", tensor_parallel=2), 8, 8, (1, 4, 1, 2), 4, "fsdp"),
+        (DeviceParameters(dp_replicate=1, dp_shard="auto", context_parallel=2), 4, None, (1, 2, 2, 1), 2, "fsdp"),
+        (DeviceParameters(dp_replicate="auto", context_parallel=2, tensor_parallel=2), 8, 4, (2, 1, 2, 2), 2, "ddp"),
+        (DeviceParameters(dp_replicate="auto", tensor_parallel=2), 2, 2, (1, 1, 1, 2), 1, "none"),
+        (DeviceParameters(dp_replicate=2, dp_shard=2, context_parallel=2, tensor_parallel=2), 16, 8, (2, 2, 2, 2), 4, "hsdp"),
     ],
 )
-def test_plan_table(params, world, dims):
-    plan = plan_mesh(params, world)
+def test_plan_table(params, world, local, dims, dp, kind):
+    plan = plan_mesh(params, world, local_world_size=local)
     assert plan.shape == dims and plan.world_size == world
+    assert plan.dp == dp and plan.data_parallel == kind
+    assert plan.dim_names == ("dp_replicate", "dp_shard", "cp", "tp")
 
 
-def test_bad_plans_name_sizes_and_a_fix():
-    with pytest.raises(MeshPlanError, match=r"dp_shard=3.*world of 4.*A plan that fits: DeviceParameters\(dp_shard=4"):
-        plan_mesh(DeviceParameters.FSDP(dp_shard=3), 4)
-    with pytest.raises(MeshPlanError, match=r"world of 2 rank"):
-        plan_mesh(DeviceParameters.SINGLE_DEVICE(), 2)
-    with pytest.raises(MeshPlanError, match=r"larger than a node.*tensor_parallel=2\)"):
-        plan_mesh(DeviceParameters(dp_replicate="auto", tensor_parallel=4), 8, local_world_size=2)
+@pytest.mark.parametrize(
+    "params, world, local, match",
+    [
+        (DeviceParameters.FSDP(dp_shard=3), 4, None,
+         r"dp_shard=3.*world of 4 rank.*sizes multiply to 3.*A plan that fits: DeviceParameters\(dp_shard=4, dp_replicate=1"),
+        (DeviceParameters.SINGLE_DEVICE(), 2, None, r"world of 2 rank.*sizes multiply to 1"),
+        (DeviceParameters(dp_replicate="auto", context_parallel=3), 4, None,
+         r"context_parallel=3.*fixed sizes multiply to 3, which does not divide it.*dp_replicate=4, dp_shard=1, context_parallel=1"),
+        (DeviceParameters.HSDP(dp_shard=4), 6, None, r"dp_shard=4.*world of 6.*does not divide it.*dp_shard=6"),
+        (DeviceParameters(dp_replicate=1, dp_shard=2, context_parallel=2), 2, None,
+         r"sizes multiply to 4.*DeviceParameters\(dp_shard=1, dp_replicate=1, context_parallel=2, tensor_parallel=1\)"),
+        (DeviceParameters(dp_replicate="auto", tensor_parallel=4), 8, 2, r"larger than a node \(2 ranks\).*tensor_parallel=2\)"),
+        (DeviceParameters(dp_replicate="auto", tensor_parallel=3), 6, 4, r"tensor_parallel=3 does not divide a node \(4 ranks\).*tensor_parallel=2\)"),
+        (DeviceParameters.FSDP(), 0, None, r"world_size=0 is invalid"),
+    ],
+)
+def test_bad_plans_name_sizes_and_a_fix(params, world, local, match):
+    with pytest.raises(MeshPlanError, match=match) as info:
+        plan_mesh(params, world, local_world_size=local)
+    suggestion = str(info.value).partition("A plan that fits: ")[2]
+    if suggestion:  # the suggested plan must itself be valid on this world
+        suggested = eval(suggestion, {"DeviceParameters": DeviceParameters})  # noqa: S307 - our own repr
+        assert plan_mesh(suggested, world, local_world_size=local).world_size == world
 
 
 def test_bad_plan_fails_at_trainer_construction(monkeypatch):
