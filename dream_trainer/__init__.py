@@ -10,20 +10,33 @@ from dream_trainer.callbacks import (
     RankZeroCallback,
     StopTraining,
 )
-from dream_trainer.configs import DeviceParameters, LoggingParameters, TrainerConfig, TrainingParameters
+from dream_trainer.callbacks.checkpoint import CheckpointCallback
+from dream_trainer.checkpoint import CheckpointError, CheckpointInfo, export_model, list_checkpoints
+from dream_trainer.configs import (
+    CheckpointParameters,
+    DeviceParameters,
+    LoggingParameters,
+    TrainerConfig,
+    TrainingParameters,
+)
 from dream_trainer.launch import RunIdentity, entrypoint
-from dream_trainer.trainer import AbstractTrainer, BaseTrainer, DreamTrainer, TrainingInterrupted
+from dream_trainer.trainer import EXIT_PREEMPTED, AbstractTrainer, BaseTrainer, DreamTrainer, TrainingInterrupted
 from dream_trainer.world import DistributedWorld, MeshPlan, MeshPlanError, plan_mesh
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "EXIT_PREEMPTED",
     "HOOKS",
     "AbstractTrainer",
     "BaseTrainer",
     "Callback",
     "CallbackCollection",
     "CallbackDependencyError",
+    "CheckpointCallback",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointParameters",
     "DeviceParameters",
     "DistributedWorld",
     "DreamTrainer",
@@ -39,5 +52,7 @@ __all__ = [
     "TrainingInterrupted",
     "TrainingParameters",
     "entrypoint",
+    "export_model",
+    "list_checkpoints",
     "plan_mesh",
 ]

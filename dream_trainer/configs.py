@@ -170,6 +170,64 @@ class DeviceParameters:
 
 
 @dataclass(kw_only=True)
+class CheckpointParameters:
+    """When and where `CheckpointCallback` saves, what it keeps and what it resumes from.
+
+    Attributes:
+        root_dir: where checkpoints go (default: ``<run_dir>/checkpoints``). Each one is a
+            directory ``step_<global_step>``, visible only once complete.
+        every_n_steps: save every N optimizer steps (after that step's validation).
+        every_n_epochs: save at the end of every N epochs (after epoch-end validation).
+        at_fit_end: save the final state when `fit()` ends (if not saved at that step).
+        keep_last: keep the newest K checkpoints (None: keep all). The newest complete
+            checkpoint is never removed.
+        monitor: a logged metric (e.g. ``"val/loss"``) scoring each checkpoint; the
+            `keep_best` best ones are kept besides the last K.
+        mode: ``"min"`` or ``"max"``: which `monitor` value is best.
+        keep_best: how many of the best checkpoints to keep (with `monitor`).
+        resume_mode: ``"last"`` (the newest complete checkpoint under `root_dir`, if any),
+            ``"best"`` (the best by `monitor`), a checkpoint path, or None (start fresh).
+        strict: fail when the checkpoint's keys or shapes differ from this run's; with
+            False, mismatched and missing keys are skipped with a warning.
+        async_mode: ``"off"`` (the loop waits for the save), ``"async"`` (the loop waits
+            only for a copy of the state; writing runs in the background) or
+            ``"async_pinned"`` (the same with staging buffers kept between saves, in pinned
+            memory on CUDA).
+    """
+
+    root_dir: str | None = None
+    every_n_steps: int | None = None
+    every_n_epochs: int | None = 1
+    at_fit_end: bool = True
+    keep_last: int | None = 3
+    monitor: str | None = None
+    mode: Literal["min", "max"] = "min"
+    keep_best: int = 1
+    resume_mode: str | None = "last"
+    strict: bool = True
+    async_mode: Literal["off", "async", "async_pinned"] = "off"
+
+    def __post_init__(self) -> None:
+        owner = "CheckpointParameters"
+        _positive_int(owner, "every_n_steps", self.every_n_steps, allow_none=True)
+        _positive_int(owner, "every_n_epochs", self.every_n_epochs, allow_none=True)
+        _positive_int(owner, "keep_last", self.keep_last, allow_none=True)
+        _positive_int(owner, "keep_best", self.keep_best)
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"{owner}.mode={self.mode!r} is invalid: expected 'min' or 'max'")
+        if self.async_mode not in ("off", "async", "async_pinned"):
+            raise ValueError(f"{owner}.async_mode={self.async_mode!r} is invalid: expected 'off', 'async' or 'async_pinned'")
+        if self.resume_mode is not None and (not isinstance(self.resume_mode, str) or not self.resume_mode):
+            raise ValueError(
+                f"{owner}.resume_mode={self.resume_mode!r} is invalid: expected 'last', 'best', a checkpoint path or None"
+            )
+        if self.resume_mode == "best" and self.monitor is None:
+            raise ValueError(f"{owner}.resume_mode='best' needs a monitor (e.g. monitor='val/loss')")
+        if self.root_dir is not None and (not isinstance(self.root_dir, str) or not self.root_dir):
+            raise ValueError(f"{owner}.root_dir={self.root_dir!r} is invalid: expected a directory path or None")
+
+
+@dataclass(kw_only=True)
 class TrainerConfig:
     """Everything a trainer needs.
 

@@ -45,6 +45,7 @@ class _Stream(IterableDataset):
 
 class ToyTrainer(DreamTrainer):
     """Fits a 2-layer MLP to `toy_data` with SGD; data sharded over data-parallel ranks.
+    `dropout` > 0 drops inputs in training (so steps depend on the RNG state).
 
     ``self.step_losses`` holds each micro-batch's loss (device tensors).
     """
@@ -61,11 +62,12 @@ class ToyTrainer(DreamTrainer):
         iterable: bool = False,
         with_validation: bool = True,
         shuffle: bool = False,
+        dropout: float = 0.0,
     ):
         super().__init__(config)
         self.in_features, self.hidden, self.n_samples = in_features, hidden, n_samples
         self.batch_size, self.lr, self.iterable = batch_size, lr, iterable
-        self.with_validation, self.shuffle = with_validation, shuffle
+        self.with_validation, self.shuffle, self.dropout = with_validation, shuffle, dropout
         self.step_losses: list[torch.Tensor] = []
 
     def configure_models(self) -> None:
@@ -123,6 +125,8 @@ class ToyTrainer(DreamTrainer):
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         x, y = batch
+        if self.dropout:  # input dropout: draws from the torch RNG every step
+            x = nn.functional.dropout(x, self.dropout)
         loss = nn.functional.mse_loss(self.model(x), y)
         self.backward(loss)
         self.step(self.optimizer)

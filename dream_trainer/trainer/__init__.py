@@ -2,7 +2,8 @@
 `DreamTrainer` (the model-build pipeline)."""
 
 from dream_trainer.trainer.abstract import AbstractTrainer
-from dream_trainer.trainer.base import BaseTrainer, TrainingInterrupted
+from dream_trainer.trainer.base import BaseTrainer
+from dream_trainer.trainer.preemption import EXIT_PREEMPTED, TrainingInterrupted
 from dream_trainer.trainer.dream import DreamTrainer
 
-__all__ = ["AbstractTrainer", "BaseTrainer", "DreamTrainer", "TrainingInterrupted"]
+__all__ = ["EXIT_PREEMPTED", "AbstractTrainer", "BaseTrainer", "DreamTrainer", "TrainingInterrupted"]

@@ -10,8 +10,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import signal
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -26,19 +24,23 @@ from dream_trainer.callbacks.base import StopTraining
 from dream_trainer.callbacks.collection import CallbackCollection
 from dream_trainer.configs import TrainerConfig
 from dream_trainer.launch import RunIdentity
-from dream_trainer.trainer.abstract import AbstractTrainer
-from dream_trainer.utils import detach_result, seed_everything, to_device, to_floats
+from dream_trainer.trainer.metrics import MetricsMixin
+from dream_trainer.trainer.preemption import EXIT_PREEMPTED, PreemptionMixin, TrainingInterrupted
+from dream_trainer.trainer.state import StateMixin, is_stateful
+from dream_trainer.utils import detach_result, seed_everything, to_device
 from dream_trainer.world.world import DistributedWorld
 
 logger = logging.getLogger(__name__)
 
 
-class TrainingInterrupted(BaseException):
-    """Raised inside `fit()` when the process receives SIGTERM."""
+class BaseTrainer(MetricsMixin, StateMixin, PreemptionMixin):
+    """The training loop. See the lifecycle in the docs (``docs/lifecycle.md``).
 
-
-class BaseTrainer(AbstractTrainer):
-    """The training loop. See the lifecycle in the docs (``docs/lifecycle.md``)."""
+    Attributes:
+        status: ``"created"``, ``"running"``, then ``"completed"``, ``"stopped"``
+            (`StopTraining`), ``"preempted"`` (a signal, handled at a step boundary) or
+            ``"failed"``.
+    """
 
     def __init__(self, config: TrainerConfig):
         super().__init__()
@@ -54,7 +56,9 @@ class BaseTrainer(AbstractTrainer):
         self.validating = False
         self.sanity_checking = False
         self.resumed = False
+        self.status = "created"
         self.stop_reason: str | None = None
+        self.is_last_batch = False  # the current batch ends the epoch (or the run)
         self.seed: int | None = config.seed
         self.run_name: str | None = None
         self.train_steps_per_epoch: int | None = None
@@ -69,6 +73,12 @@ class BaseTrainer(AbstractTrainer):
         self._optimizer_schedulers: dict[int, list[Any]] = {}
         self._optimizer_names: dict[int, str] = {}
         self._last_val_step: int | None = None
+        self._epoch_complete = False
+        self._data_snapshot: Any = None
+        self._loader_restored = False
+        self._resume_rng: dict[str, Any] | None = None
+        self._signal: int | None = None
+        self._signal_work: Any = None
 
     # ================================================================== user hooks
     def configure(self) -> None:
@@ -103,7 +113,8 @@ class BaseTrainer(AbstractTrainer):
     def fit(self) -> None:
         """Run the whole lifecycle. The world is torn down on every path."""
         cb = self.callbacks
-        restore_signal = self._install_sigterm_handler()
+        restore_signals = self._install_signal_handlers()
+        self.status = "running"
         try:
             cb.initialize(self)
             cb.pre_launch()
@@ -120,20 +131,37 @@ class BaseTrainer(AbstractTrainer):
             try:
                 cb.pre_fit()
                 self._fit_loop()
+                self.status = "completed"
             except StopTraining as stop:
                 self._stopped(stop)
+            self._drain_signal_check()
             cb.post_fit()
         except StopTraining as stop:
             self._stopped(stop)
+        except TrainingInterrupted as interrupt:
+            if not interrupt.at_step_boundary:
+                self.status = "failed"
+                cb.on_interrupt()
+                raise
+            self.status, self.stop_reason = "preempted", interrupt.reason
+            logger.warning("preempted at step %d (%s)", self.global_step, interrupt.reason)
+            cb.on_interrupt()  # the checkpoint callback saves here, at a step boundary
         except BaseException:
+            self.status = "failed"
             cb.on_interrupt()
             raise
         finally:
-            restore_signal()
+            restore_signals()
             self.world.teardown()
 
+    @property
+    def exit_code(self) -> int:
+        """The process exit status this run asks for: `EXIT_PREEMPTED` (75) when
+        preempted, else 0. ``raise SystemExit(trainer.exit_code)`` in a script."""
+        return EXIT_PREEMPTED if self.status == "preempted" else 0
+
     def _stopped(self, stop: StopTraining) -> None:
-        self.stop_reason = stop.reason
+        self.status, self.stop_reason = "stopped", stop.reason
         logger.info("training stopped at step %d: %s", self.global_step, stop.reason)
 
     def _fit_loop(self) -> None:
@@ -151,6 +179,7 @@ class BaseTrainer(AbstractTrainer):
             cb.post_epoch()
             self.current_epoch += 1
             self.local_batches = 0
+            self._epoch_complete = False
 
     def _done(self) -> bool:
         tp = self.training_parameters
@@ -167,10 +196,13 @@ class BaseTrainer(AbstractTrainer):
             model.train()
         _set_epoch(self.train_dataloader, self.current_epoch)
         losses: list[torch.Tensor] = []
-        batch_idx = -1
-        for batch_idx, (batch, is_last) in enumerate(_with_last(self.train_dataloader, self.train_steps_per_epoch)):
+        batch_idx = self.local_batches - 1  # > -1 when resuming mid-epoch
+        for batch_idx, (batch, is_last) in enumerate(self._epoch_batches(), self.local_batches):
             self.local_batches = batch_idx + 1
             self.is_accumulating_gradients = accumulating = not is_last and (batch_idx + 1) % accumulation != 0
+            self.is_last_batch = is_last or (
+                not accumulating and tp.max_steps is not None and self.global_step + 1 >= tp.max_steps
+            )
             self._log_gate = not accumulating and (self.global_step + 1) % log_every == 0
             if move:
                 batch = to_device(batch, self.world.device)
@@ -188,17 +220,55 @@ class BaseTrainer(AbstractTrainer):
                 self._log_train_step(result)
             self._log_gate = None
             if not accumulating:
-                every = tp.val_every_n_steps
-                if every is not None and self.global_step % every == 0:
+                if self.validation_due:
                     self._validate()
+                if self._signal_agreed():
+                    raise TrainingInterrupted(f"received signal {self._signal_name()}", at_step_boundary=True)
                 if tp.max_steps is not None and self.global_step >= tp.max_steps:
                     break
-        self.is_accumulating_gradients = False
+        else:
+            self._epoch_complete = True  # not cut short by max_steps: a resume starts the next epoch
+        self.is_accumulating_gradients = self.is_last_batch = False
         self.last_epoch_batches = batch_idx + 1
         result: dict[str, Any] = {"batches": batch_idx + 1}
         if losses:
             result["loss"] = torch.stack(losses).float().mean()
         return result
+
+    @property
+    def validation_due(self) -> bool:
+        """Whether the loop validates at the end of the current optimizer step."""
+        every = self.training_parameters.val_every_n_steps
+        return every is not None and self.val_dataloader is not None and self.global_step % every == 0
+
+    def _epoch_batches(self) -> Iterator[tuple[Any, bool]]:
+        """``(batch, is_last)`` for the rest of the epoch. On a mid-epoch resume a stateful
+        loader continues by itself; any other loader is fast-forwarded past the batches
+        already consumed (exact when its order depends only on the epoch, e.g. a
+        `DistributedSampler`). Then the saved RNG state is restored."""
+        loader, start = self.train_dataloader, self.local_batches
+        limit = self.train_steps_per_epoch
+        iterator = iter(loader)  # type: ignore[arg-type]
+        if start and not self._loader_restored:
+            skipped = sum(1 for _ in itertools.islice(iterator, start))
+            logger.info("resuming epoch %d at batch %d: skipped %d batches", self.current_epoch, start, skipped)
+        self._loader_restored, self._data_snapshot = False, None
+        self._restore_resume_rng()
+        remaining = None if limit is None else limit - start
+        try:
+            known = len(loader) - start  # type: ignore[arg-type]
+        except TypeError:
+            known = None
+        if known is not None and (remaining is None or known >= remaining):
+            count = known if remaining is None else remaining
+            return ((batch, i + 1 == count) for i, batch in enumerate(itertools.islice(iterator, count)))
+        snapshot = self._snapshot_data if is_stateful(loader) else None
+        return _with_last(iterator, remaining, snapshot)
+
+    def _snapshot_data(self) -> None:
+        # Looking one batch ahead moves a stateful loader past the current batch; keep its
+        # position from before the lookahead for `state_dict`.
+        self._data_snapshot = self.train_dataloader.state_dict()  # type: ignore[union-attr]
 
     def _run_step(self, fn: Any, batch: Any, batch_idx: int, context_hook: str, no_sync: bool) -> dict[str, Any]:
         """Call a step function inside the world's and the callbacks' contexts."""
@@ -312,125 +382,6 @@ class BaseTrainer(AbstractTrainer):
             for name, model in self.named_models().items():
                 model.train(modes[name])
 
-    def _accumulate(self, metrics: dict[str, Any]) -> None:
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1):
-                entry = self._val_sums.setdefault(key, [0.0, 0])
-                entry[0] = entry[0] + value
-                entry[1] += 1
-
-    def _reduced_means(self) -> dict[str, Any]:
-        """Means of the accumulated validation metrics over batches and data-parallel ranks
-        (one collective for all of them)."""
-        if not self._val_sums:
-            return {}
-        keys = sorted(self._val_sums)
-        means = torch.stack(
-            [torch.as_tensor(self._val_sums[k][0], dtype=torch.float32, device=self.world.device).reshape(()) / self._val_sums[k][1] for k in keys]
-        )
-        self.world.all_reduce(means, "mean")
-        return dict(zip(keys, means.unbind()))
-
-    # ================================================================== logging
-    @property
-    def is_log_step(self) -> bool:
-        """Whether `log_dict` values are logged now (False on non-log steps)."""
-        return self._log_gate is not False
-
-    def log_dict(self, metrics: dict[str, Any]) -> None:
-        """Record metrics and send them to every callback's `on_log`.
-
-        Inside a training step (and its callbacks), values are read from the device only on
-        log steps (every ``log_every_n_steps``), together with the step's own metrics and
-        under its step number; on other steps the call returns at once without a sync.
-        During validation they are averaged over the run and logged once at its end.
-        """
-        if self.validating:
-            if not self.sanity_checking:
-                self._accumulate(metrics)
-            return
-        if self._log_gate is None:  # outside a training step: log now
-            self._dispatch_log(metrics)
-        elif self._log_gate:  # a log step: sent with the step's own metrics, one sync
-            self._pending_logs.update(metrics)
-
-    def log_scalar(self, name: str, value: Any) -> None:
-        """`log_dict` for one value."""
-        self.log_dict({name: value})
-
-    def _dispatch_log(self, metrics: dict[str, Any]) -> None:
-        if not metrics:
-            return
-        floats = to_floats(metrics)
-        self.logged_metrics.update(floats)
-        self.callbacks.on_log(floats, self.global_step)
-
-    def _log_train_step(self, result: dict[str, Any]) -> None:
-        """What the trainer logs by itself on a log step: the step's scalar results
-        (averaged over data-parallel ranks), learning rates and gradient norms."""
-        scalars = {f"train/{k}": v for k, v in result.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
-        if scalars and self.world.dp_size > 1:
-            stacked = self.world.all_reduce(torch.stack([v.float().reshape(()) for v in scalars.values()]), "mean")
-            scalars = dict(zip(scalars, stacked.unbind()))
-        metrics: dict[str, Any] = {**scalars, "train/epoch": float(self.current_epoch), **self._pending_logs}
-        self._pending_logs = {}
-        if self.logging_parameters.log_lr:
-            optimizers = self.named_optimizers()
-            for name, opt in optimizers.items():
-                metrics["train/lr" if len(optimizers) == 1 else f"train/lr/{name}"] = opt.param_groups[0]["lr"]
-        for name, norm in self._grad_norms.items():
-            metrics["train/grad_norm" if len(self._grad_norms) == 1 else f"train/grad_norm/{name}"] = norm
-        self._grad_norms = {}
-        self._dispatch_log(metrics)
-
-    # ================================================================== state
-    def state_dict(self) -> dict[str, Any]:
-        """Counters, models, optimizers, schedulers and callback states (DCP-ready:
-        sharded models and optimizers give DTensor shards)."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        optimizers = {}
-        for name, opt in self.named_optimizers().items():
-            model = self.model_for(opt)
-            optimizers[name] = get_optimizer_state_dict(model, opt) if model is not None else opt.state_dict()
-        return {
-            "trainer": {
-                "global_step": self.global_step,
-                "current_epoch": self.current_epoch,
-                "local_batches": self.local_batches,
-            },
-            "models": {name: get_model_state_dict(m) for name, m in self.named_models().items()},
-            "optimizers": optimizers,
-            "schedulers": {name: s.state_dict() for name, s in self.named_schedulers().items()},
-            "callbacks": self.callbacks.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
-        """Restore what `state_dict` returned."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        counters = state["trainer"]
-        self.global_step = int(counters["global_step"])
-        self.current_epoch = int(counters["current_epoch"])
-        self.local_batches = int(counters["local_batches"])
-        self.resumed = self.global_step > 0 or self.current_epoch > 0
-        options = StateDictOptions(strict=strict)
-        for name, model in self.named_models().items():
-            set_model_state_dict(model, state["models"][name], options=options)
-        for name, opt in self.named_optimizers().items():
-            model = self.model_for(opt)
-            if model is not None:
-                set_optimizer_state_dict(model, opt, state["optimizers"][name], options=options)
-            else:
-                opt.load_state_dict(state["optimizers"][name])
-        for name, scheduler in self.named_schedulers().items():
-            scheduler.load_state_dict(state["schedulers"][name])
-        self.callbacks.load_state_dict(state.get("callbacks", {}))
-
     # ================================================================== plumbing
     def _agreed_length(self, loader: Iterable[Any], configured: int | None, what: str) -> int | None:
         """The epoch length every rank uses: the configured one, else the smallest
@@ -464,28 +415,23 @@ class BaseTrainer(AbstractTrainer):
         if self.world.is_rank_zero:
             self.run_dir.mkdir(parents=True, exist_ok=True)
 
-    def _install_sigterm_handler(self) -> Any:
-        """Turn SIGTERM into `TrainingInterrupted` (so `on_interrupt` and teardown run)."""
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
 
-        def handler(signum: int, frame: Any) -> None:
-            raise TrainingInterrupted(f"received signal {signum}")
-
-        previous = signal.signal(signal.SIGTERM, handler)
-        return lambda: signal.signal(signal.SIGTERM, previous)
-
-
-def _with_last(loader: Iterable[Any], limit: int | None) -> Iterator[tuple[Any, bool]]:
+def _with_last(loader: Iterable[Any], limit: int | None, before_fetch: Any = None) -> Iterator[tuple[Any, bool]]:
     """Yield ``(batch, is_last)`` for at most `limit` batches. Looks one batch ahead, so
     the final micro-batch of an epoch steps the optimizer even when the loader is shorter
-    than expected or has no length."""
+    than expected or has no length. `before_fetch` (if given) runs before each lookahead."""
     iterator = iter(itertools.islice(loader, limit))
     try:
         current = next(iterator)
     except StopIteration:
         return
-    for upcoming in iterator:
+    while True:
+        if before_fetch is not None:
+            before_fetch()
+        try:
+            upcoming = next(iterator)
+        except StopIteration:
+            break
         yield current, False
         current = upcoming
     yield current, True

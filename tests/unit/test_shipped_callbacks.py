@@ -8,7 +8,7 @@ import signal
 import pytest
 import torch.distributed as dist
 
-from dream_trainer import Callback, LoggerCallback, ProgressBar, TrainingInterrupted
+from dream_trainer import EXIT_PREEMPTED, Callback, LoggerCallback, ProgressBar, TrainingInterrupted
 from tests.unit.test_trainer_loop import make
 
 
@@ -44,20 +44,30 @@ def test_logger_needs_a_sink():
         LoggerCallback(tensorboard=False, jsonl=False)
 
 
-def test_sigterm_runs_on_interrupt_and_tears_down():
+def test_sigterm_stops_at_the_step_boundary_and_a_second_signal_aborts():
     seen = []
 
     class Terminate(Callback):
-        def post_train_step(self, result, batch_idx):
+        def __init__(self, times):
+            self.times = times
+
+        def pre_train_step(self, batch, batch_idx):
             if self.trainer.global_step == 2:
-                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(self.times):  # a second signal before the boundary aborts at once
+                    os.kill(os.getpid(), signal.SIGTERM)
 
         def on_interrupt(self):
-            seen.append(self.trainer.global_step)
+            seen.append((self.trainer.global_step, self.trainer.status))
 
     previous = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(TrainingInterrupted):
-        make([Terminate()]).fit()
-    assert seen == [2]
+    trainer = make([Terminate(times=1)])
+    trainer.fit()  # returns: the run is preempted, not crashed
+    assert seen == [(3, "preempted")]  # the step under way when the signal came was finished
+    assert trainer.exit_code == EXIT_PREEMPTED == 75 and "SIGTERM" in trainer.stop_reason
     assert not dist.is_initialized()
     assert signal.getsignal(signal.SIGTERM) is previous  # the handler is restored
+
+    seen.clear()
+    with pytest.raises(TrainingInterrupted, match="again"):
+        make([Terminate(times=2)]).fit()
+    assert seen == [(2, "failed")] and not dist.is_initialized()

@@ -1,0 +1,255 @@
+"""`CheckpointCallback`: distributed checkpoints (torch.distributed.checkpoint) of the
+whole trainer, saved on a schedule, at preemption and at the end; resumed at setup.
+
+- What: ``trainer.state_dict()`` — models and optimizers (any sharding), schedulers,
+  counters, callback states, every rank's RNG states and dataloader position.
+- When: every N steps (after that step's validation, so a resumed run continues exactly),
+  every N epochs, at the end of `fit()`, and when the run is preempted (SIGTERM/SIGINT
+  handled at a step boundary, see `BaseTrainer`).
+- How: into a staging directory, committed by rename once complete (`dream_trainer.checkpoint`).
+  With ``async_mode`` the loop waits only for a copy of the state; writing runs in a
+  background thread on its own gloo process group, one save at a time; its errors are
+  raised at the next step; the end of `fit()` waits for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dream_trainer.callbacks.base import Callback
+from dream_trainer.checkpoint import (
+    CheckpointError,
+    best_of,
+    clean_staging,
+    dcp_errors,
+    describe,
+    commit,
+    list_checkpoints,
+    load_checkpoint,
+    staging_dir,
+    to_remove,
+)
+from dream_trainer.configs import CheckpointParameters
+from dream_trainer.trainer.base import BaseTrainer
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointCallback(Callback[BaseTrainer]):
+    """Save and resume the trainer with DCP. See `CheckpointParameters`.
+
+    Attributes:
+        root: the checkpoint directory (known after setup).
+        resumed_from: the checkpoint this run resumed from, if any.
+        saved: committed checkpoints of this run, oldest first.
+        blocked_s: per save, the seconds the training loop waited.
+        save_s: per finished save, the seconds from its start until it was written.
+    """
+
+    critical = True
+    order = 1000  # last in every hook: the other callbacks' state is current when saved
+
+    def __init__(self, params: CheckpointParameters | None = None):
+        if params is not None and not isinstance(params, CheckpointParameters):
+            raise TypeError(f"CheckpointCallback takes a CheckpointParameters, got {type(params).__name__}")
+        self.params = params or CheckpointParameters()
+        self.root: Path | None = None
+        self.resumed_from: Path | None = None
+        self.saved: list[Path] = []
+        self.blocked_s: list[float] = []
+        self.save_s: list[float] = []
+        self._last_step: int | None = None
+        self._pending: tuple[Any, Path, dict[str, Any], float] | None = None
+        self._group: Any = None
+        self._stager: Any = None
+        self._after_validation = False
+        self._at_epoch_end = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def pre_launch(self) -> None:
+        mode = self.params.resume_mode
+        if mode not in (None, "last", "best") and not Path(mode).exists():
+            raise CheckpointError(f"CheckpointParameters.resume_mode={mode!r}: no checkpoint at {Path(mode).resolve()}")
+
+    def post_setup(self) -> None:
+        trainer, world = self.trainer, self.trainer.world
+        self.root = Path(self.params.root_dir) if self.params.root_dir else trainer.run_dir / "checkpoints"
+        if self.params.async_mode != "off":
+            import torch.distributed as dist
+
+            # Background saves run collectives; on their own group they never interleave
+            # with the training loop's.
+            self._group = dist.new_group(backend="gloo")
+            if self.params.async_mode == "async_pinned":
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+                cuda = torch.cuda.is_available()
+                self._stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
+        path = self._choose_resume()
+        if world.is_rank_zero:
+            for stale in clean_staging(self.root):
+                logger.warning("removed incomplete checkpoint %s (a save that did not finish)", stale)
+        if path is not None:
+            self.load(path)
+
+    def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
+        trainer = self.trainer
+        if trainer.is_accumulating_gradients:
+            return
+        self._poll()
+        every, max_steps = self.params.every_n_steps, trainer.training_parameters.max_steps
+        run_ends = max_steps is not None and trainer.global_step >= max_steps
+        if not ((every is not None and trainer.global_step % every == 0) or (run_ends and self.params.at_fit_end)):
+            return
+        # Save where an uninterrupted run stands between this step and the next, so a
+        # resumed run continues exactly: after this step's validation, or after the
+        # epoch's end hooks when the epoch ends here. A run cut off by max_steps is saved
+        # before its epoch-end hooks, which a longer run would not run at this step.
+        if trainer.validation_due:
+            self._after_validation = True
+        elif trainer.is_last_batch and not run_ends:
+            self._at_epoch_end = True
+        else:
+            self.save()
+
+    def post_validation_epoch(self, result: dict[str, Any]) -> None:
+        if self._after_validation and not self.trainer.sanity_checking:
+            self._after_validation = False
+            self.save()
+
+    def post_epoch(self) -> None:
+        every = self.params.every_n_epochs
+        if self._at_epoch_end or (every is not None and (self.trainer.current_epoch + 1) % every == 0):
+            self._at_epoch_end = False
+            self.save()
+
+    def post_fit(self) -> None:
+        try:
+            if self.params.at_fit_end:
+                self.save()
+            self.wait()
+        finally:
+            self._close()
+
+    def on_interrupt(self) -> None:
+        try:
+            if self.trainer.status == "preempted":  # at a step boundary: a consistent state
+                self.save(blocking=True)
+                self.wait()
+            else:  # a crash mid-step: keep the last good checkpoint, finish a save under way
+                self.wait(raise_errors=False)
+        finally:
+            self._close()
+
+    # ------------------------------------------------------------------ saving
+    def save(self, blocking: bool = False) -> None:
+        """Checkpoint the trainer now (all ranks must call it). Returns once the state is
+        copied (async) or written (``async_mode="off"`` or `blocking`)."""
+        trainer = self.trainer
+        step = trainer.global_step
+        if step == self._last_step or self.root is None:
+            return
+        self.wait()  # at most one save in flight
+        staging = staging_dir(self.root, step)
+        staging.mkdir(parents=True, exist_ok=True)
+        monitor = self.params.monitor
+        score = trainer.logged_metrics.get(monitor) if monitor else None
+        if monitor and score is None:
+            logger.warning("checkpoint at step %d has no score: %r has not been logged yet", step, monitor)
+        meta = {"step": step, "epoch": trainer.current_epoch, "score": score, "monitor": monitor,
+                "world_size": trainer.world.world_size, "time": time.time()}
+        import torch.distributed.checkpoint as dcp
+
+        start = time.perf_counter()
+        state = trainer.state_dict()
+        if self.params.async_mode == "off" or blocking:
+            dcp.save(state, checkpoint_id=str(staging))
+            self.blocked_s.append(time.perf_counter() - start)
+            self.save_s.append(self.blocked_s[-1])
+            self._commit(staging, meta)
+        else:
+            future = dcp.async_save(state, checkpoint_id=str(staging), process_group=self._group, async_stager=self._stager)
+            self.blocked_s.append(time.perf_counter() - start)
+            future.add_done_callback(lambda _: self.save_s.append(time.perf_counter() - start))
+            self._pending = (future, staging, meta, start)
+        self._last_step = step
+
+    def wait(self, raise_errors: bool = True) -> None:
+        """Wait for the background save (if any) and commit it."""
+        if self._pending is None:
+            return
+        future, staging, meta, _ = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except dcp_errors() as exc:
+            if not raise_errors:
+                logger.error("background checkpoint save to %s failed: %s", staging, describe(exc))
+                return
+            raise CheckpointError(f"background checkpoint save to {staging} failed: {describe(exc)}") from exc
+        self._commit(staging, meta)
+
+    def _poll(self) -> None:
+        if self._pending is not None and self._pending[0].done():
+            self.wait()  # commits, or raises the background error on this step
+
+    def _commit(self, staging: Path, meta: dict[str, Any]) -> None:
+        if not self.trainer.world.is_rank_zero:
+            return
+        final = commit(staging, meta)
+        self.saved.append(final)
+        p = self.params
+        for old in to_remove(list_checkpoints(final.parent), p.keep_last, p.keep_best, p.mode, p.monitor):
+            shutil.rmtree(old.path, ignore_errors=True)
+            logger.info("removed old checkpoint %s", old.path)
+
+    def _close(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        if self._group is not None:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group(self._group)
+            self._group = None
+
+    # ------------------------------------------------------------------ resuming
+    def _choose_resume(self) -> Path | None:
+        """Rank 0 picks the checkpoint; every rank gets its choice (or its error)."""
+        mode, world = self.params.resume_mode, self.trainer.world
+        choice: Any = None
+        if world.is_rank_zero and mode is not None:
+            assert self.root is not None
+            if mode == "last":
+                infos = list_checkpoints(self.root)
+                choice = infos[-1].path if infos else None
+            elif mode == "best":
+                infos = list_checkpoints(self.root)
+                best = best_of(infos, self.params.mode)
+                if infos and not best:
+                    choice = CheckpointError(f"resume_mode='best': no checkpoint under {self.root} has a score")
+                choice = choice or (best[0].path if best else None)
+            else:
+                choice = Path(mode)
+        choice = world.broadcast_object(choice)
+        if isinstance(choice, Exception):
+            raise choice
+        if choice is None and mode is not None:
+            logger.info("no checkpoint to resume from under %s: starting fresh", self.root)
+        return choice
+
+    def load(self, path: str | Path) -> None:
+        """Restore the trainer from the checkpoint at `path`."""
+        trainer = self.trainer
+        template = load_checkpoint(Path(path), trainer.state_dict(), strict=self.params.strict)
+        trainer.load_state_dict(template, strict=self.params.strict)
+        self.resumed_from = Path(path)
+        self._last_step = trainer.global_step
+        logger.info("resumed from %s at step %d, epoch %d", path, trainer.global_step, trainer.current_epoch)

@@ -1,0 +1,284 @@
+"""Checkpoint directories on disk: atomic commit, listing, pruning, checked loading, export.
+
+Layout under a root directory::
+
+    step_000000120/            a complete checkpoint (DCP files, .metadata, dream_trainer.json)
+    .staging-step_000000140/   a save in progress (or one that crashed): never loaded
+
+A save writes into the staging directory; when every rank has written (DCP's ``.metadata``
+is written last, by the coordinator), rank 0 writes ``dream_trainer.json`` and renames the
+directory to its final name. The rename is the commit: a checkpoint is either complete
+or invisible.
+
+`export_model` turns one model of a checkpoint into a plain ``state_dict`` file
+(safetensors or ``torch.save``) for inference, loadable without dream_trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+META_FILE = "dream_trainer.json"
+STAGING_PREFIX = ".staging-"
+_NAME = re.compile(r"^step_(\d+)$")
+_RANK_KEYS = "ranks."  # per-rank entries: present only for the ranks that wrote them
+_OPTIONAL_KEYS = ("callbacks.",)  # a callback new in this run has nothing to load
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, unreadable or does not match the run."""
+
+
+def dcp_errors() -> tuple[type[BaseException], ...]:
+    """What a failed DCP save or load raises (its ``CheckpointException`` is a BaseException)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+def describe(exc: BaseException) -> str:
+    """A one-line cause: DCP's per-rank failures unwrapped."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        errors = {rank: err[0] if isinstance(err, tuple) else err for rank, err in failures.items()}  # (exc, traceback)
+        return "; ".join(f"rank {rank}: {type(err).__name__}: {err}" for rank, err in sorted(errors.items()))
+    return f"{type(exc).__name__}: {exc}"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A complete checkpoint: its directory, the step and epoch it was saved at and its
+    score (the monitored metric, if any)."""
+
+    path: Path
+    step: int
+    epoch: int
+    score: float | None = None
+    monitor: str | None = None
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:09d}"
+
+
+def staging_dir(root: Path, step: int) -> Path:
+    return root / f"{STAGING_PREFIX}{checkpoint_name(step)}"
+
+
+def read_info(path: Path) -> CheckpointInfo | None:
+    """The checkpoint at `path`, or None when it is not a complete checkpoint."""
+    match = _NAME.match(path.name)
+    meta_file = path / META_FILE
+    if not (match and path.is_dir() and meta_file.is_file() and (path / ".metadata").is_file()):
+        return None
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError):
+        return None
+    return CheckpointInfo(path, int(meta["step"]), int(meta["epoch"]), meta.get("score"), meta.get("monitor"))
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
+    """Complete checkpoints under `root`, oldest first (staging directories are skipped)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [info for child in root.iterdir() if (info := read_info(child)) is not None]
+    return sorted(found, key=lambda info: info.step)
+
+
+def best_of(infos: list[CheckpointInfo], mode: str) -> list[CheckpointInfo]:
+    """Checkpoints with a score, best first (ties: the oldest, where the value was measured)."""
+    scored = [info for info in infos if info.score is not None]
+    sign = 1.0 if mode == "min" else -1.0
+    return sorted(scored, key=lambda info: (sign * info.score, info.step))  # type: ignore[operator]
+
+
+def to_remove(infos: list[CheckpointInfo], keep_last: int | None, keep_best: int, mode: str, monitor: str | None) -> list[CheckpointInfo]:
+    """Which checkpoints pruning removes: all but the newest `keep_last` and, with a
+    `monitor`, the `keep_best` best. The newest is always kept."""
+    if keep_last is None or not infos:
+        return []
+    keep = {info.path for info in infos[-max(keep_last, 1):]}
+    if monitor is not None:
+        keep |= {info.path for info in best_of(infos, mode)[:keep_best]}
+    return [info for info in infos if info.path not in keep]
+
+
+def commit(staging: Path, meta: dict[str, Any]) -> Path:
+    """Write the metadata file into a finished staging directory and rename it to its
+    final name (replacing an older checkpoint of the same step)."""
+    final = staging.with_name(staging.name[len(STAGING_PREFIX):])
+    meta_file = staging / META_FILE
+    with open(meta_file, "w") as handle:
+        json.dump(meta, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(staging, final)
+    _fsync_dir(final.parent)
+    return final
+
+
+def clean_staging(root: Path) -> list[Path]:
+    """Remove leftover staging directories (saves that never completed)."""
+    removed = []
+    if root.is_dir():
+        for child in root.iterdir():
+            if child.name.startswith(STAGING_PREFIX) and child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+                removed.append(child)
+    return removed
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _read_metadata(path: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if read_info(path) is None and not (path / ".metadata").is_file():
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint (no .metadata: the save did not finish or this is not a DCP directory)"
+        )
+    try:
+        return FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - any read/unpickling error means a damaged file
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
+
+
+def _drop(nested: dict[str, Any], path: tuple[Any, ...]) -> None:
+    for part in path[:-1]:
+        nested = nested[part]
+    del nested[path[-1]]
+
+
+def match_template(path: Path, template: dict[str, Any], strict: bool) -> dict[str, Any]:
+    """Check `template` (the run's ``state_dict()``) against the checkpoint's metadata and
+    drop what cannot be loaded: other ranks' entries, new callbacks, and, with
+    ``strict=False``, every missing or mismatched key (warned). With ``strict=True`` a
+    mismatch raises `CheckpointError` naming the path and the first mismatched key."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = _read_metadata(path).state_dict_metadata
+    flat, mapping = flatten_state_dict(template)
+    problems: list[str] = []
+    for key, value in flat.items():
+        entry = saved.get(key)
+        if entry is None:
+            if key.startswith(_RANK_KEYS) or key.startswith(_OPTIONAL_KEYS):
+                _drop(template, mapping[key])
+                continue
+            problems.append(f"{key!r} is not in the checkpoint")
+        elif isinstance(value, torch.Tensor):
+            if not isinstance(entry, TensorStorageMetadata):
+                problems.append(f"{key!r} is a tensor in this run but not in the checkpoint")
+            elif tuple(entry.size) != tuple(value.shape):
+                problems.append(f"{key!r} has shape {tuple(entry.size)} in the checkpoint, {tuple(value.shape)} in this run")
+            else:
+                continue
+        else:
+            continue
+        if strict:
+            raise CheckpointError(
+                f"checkpoint {path} does not match this run: first mismatched key: {problems[0]}. "
+                "Resume with CheckpointParameters(strict=False) to skip mismatched keys"
+            )
+        _drop(template, mapping[key])
+    model_keys = ("models.", "optimizers.")
+    unexpected = [k for k in saved if k.startswith(model_keys) and k not in flat]
+    if unexpected and strict:
+        raise CheckpointError(
+            f"checkpoint {path} does not match this run: first mismatched key: {unexpected[0]!r} is in the "
+            f"checkpoint but not in this run ({len(unexpected)} such keys)"
+        )
+    skipped = problems + [f"{k!r} is not in this run" for k in unexpected]
+    if skipped:
+        logger.warning("strict=False resume from %s skipped %d key(s): %s", path, len(skipped), "; ".join(skipped))
+    return template
+
+
+def load_checkpoint(path: str | os.PathLike[str], template: dict[str, Any], strict: bool = True, process_group: Any = None) -> dict[str, Any]:
+    """Load the checkpoint at `path` into `template` (in place, DCP: any sharding) after
+    `match_template`; returns the template."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    template = match_template(path, template, strict)
+    try:
+        dcp.load(template, checkpoint_id=str(path), process_group=process_group)
+    except dcp_errors() as exc:  # noqa: BLE001 - truncated or damaged files
+        raise CheckpointError(f"cannot load checkpoint {path}: {describe(exc)}") from exc
+    return template
+
+
+def export_model(
+    checkpoint: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    model: str = "model",
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write model `model` of a checkpoint (written by any number of ranks, sharded or not)
+    as one plain ``state_dict`` file: safetensors when `output` ends in ``.safetensors``,
+    else ``torch.save``. Runs in one process, without a process group.
+
+    Load it with ``safetensors.torch.load_file`` or ``torch.load`` and
+    ``model.load_state_dict`` — dream_trainer is not needed.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path, output = Path(checkpoint), Path(output)
+    saved = _read_metadata(path).state_dict_metadata
+    prefix = f"models.{model}."
+    template = {
+        key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        for key, md in saved.items()
+        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+    }
+    if not template:
+        models = sorted({k.split(".")[1] for k in saved if k.startswith("models.")})
+        raise CheckpointError(f"checkpoint {path} has no model named {model!r}; it has: {models or 'none'}")
+    try:
+        with warnings.catch_warnings():  # "loading in a single process": intended here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(template, checkpoint_id=str(path), no_dist=True)
+    except dcp_errors() as exc:  # noqa: BLE001
+        raise CheckpointError(f"cannot load checkpoint {path}: {describe(exc)}") from exc
+    state = {key[len(prefix):]: (t.to(dtype) if dtype is not None and t.is_floating_point() else t) for key, t in template.items()}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    if output.suffix == ".safetensors":
+        try:
+            from safetensors.torch import save_file
+        except ImportError as exc:
+            raise ImportError("writing .safetensors needs the safetensors package: pip install safetensors") from exc
+        save_file({k: v.contiguous() for k, v in state.items()}, str(output))
+    else:
+        torch.save(state, output)
+    return output
