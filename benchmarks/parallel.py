@@ -134,11 +134,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--n-chars", type=int, default=None, help="corpus size (default: enough for one epoch)")
-    p.add_argument("--quick", action="store_true", help="1 round x 15 steps")
+    p.add_argument("--quick", action="store_true", help="1 round x 10 steps")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "parallel.json"))
     args = p.parse_args(argv)
     if args.quick:
-        args.repeats, args.steps, args.warmup = 1, 15, 3
+        args.repeats, args.steps, args.warmup = 1, 10, 3
     tokens_per_step = args.batch_size * args.block_size
     if args.n_chars is None:  # one epoch covers every step (10% of the corpus is the val split)
         args.n_chars = int((args.warmup + args.steps + 2) * (tokens_per_step + args.batch_size) / 0.9)

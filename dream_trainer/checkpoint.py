@@ -192,7 +192,10 @@ def match_template(path: Path, template: dict[str, Any], strict: bool) -> dict[s
     for key, value in flat.items():
         entry = saved.get(key)
         if entry is None:
-            if key.startswith(_RANK_KEYS) or key.startswith(_OPTIONAL_KEYS):
+            if key.startswith(_RANK_KEYS):  # this rank did not write: drop its whole entry
+                template["ranks"].pop(mapping[key][1], None)
+                continue
+            if key.startswith(_OPTIONAL_KEYS):
                 _drop(template, mapping[key])
                 continue
             problems.append(f"{key!r} is not in the checkpoint")
