@@ -3,6 +3,7 @@ whole trainer, saved on a schedule, at preemption and at the end; resumed at set
 
 - What: ``trainer.state_dict()`` — models and optimizers (any sharding), schedulers,
   counters, callback states, every rank's RNG states and dataloader position.
+- Resume: in `post_configure` (from ``resume_mode``); incomplete saves are removed.
 - When: every N steps (after that step's validation, so a resumed run continues exactly),
   every N epochs, at the end of `fit()`, and when the run is preempted (SIGTERM/SIGINT
   handled at a step boundary, see `BaseTrainer`).
@@ -77,7 +78,9 @@ class CheckpointCallback(Callback[BaseTrainer]):
         if mode not in (None, "last", "best") and not Path(mode).exists():
             raise CheckpointError(f"CheckpointParameters.resume_mode={mode!r}: no checkpoint at {Path(mode).resolve()}")
 
-    def post_setup(self) -> None:
+    def post_configure(self) -> None:
+        """Resume here: models, optimizers, schedulers and dataloaders exist, and the
+        other callbacks see the restored state from `pre_setup` on."""
         trainer, world = self.trainer, self.trainer.world
         self.root = Path(self.params.root_dir) if self.params.root_dir else trainer.run_dir / "checkpoints"
         if self.params.async_mode != "off":

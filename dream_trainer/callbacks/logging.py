@@ -42,7 +42,9 @@ class LoggerCallback(RankZeroCallback[AbstractTrainer]):
         if self.tensorboard and self._writer is None:
             from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: lazily
 
-            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+            # A resumed run drops the events an earlier run logged after its checkpoint.
+            purge = self.trainer.global_step + 1 if getattr(self.trainer, "resumed", False) else None
+            self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge)
         if self.jsonl and self._file is None:
             self._file = open(self.log_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
 

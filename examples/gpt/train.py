@@ -5,7 +5,10 @@
     torchrun --nproc_per_node 2 examples/gpt/train.py # 2 ranks under torchrun (DDP over gloo on CPU)
     torchrun --nproc_per_node 2 examples/gpt/train.py --parallel fsdp   # or tp; --compile
 
-Metrics go to ``runs/gpt/<run>/logs`` (TensorBoard event files and metrics.jsonl).
+Metrics go to ``runs/gpt/<run>/logs`` (TensorBoard event files and metrics.jsonl),
+checkpoints to ``runs/gpt/<run>/checkpoints`` (every 50 steps, async). Stop a run with
+Ctrl-C or SIGTERM: it saves at the next step boundary and exits with status 75; run it
+again with the same ``--run-name`` and it resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from model import GPT, GPTConfig, lm_loss  # noqa: E402
 
 from dream_trainer import (  # noqa: E402
     Callback,
+    CheckpointCallback,
+    CheckpointParameters,
     DeviceParameters,
     DreamTrainer,
     LoggerCallback,
@@ -157,6 +162,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=6e-3)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--val-every", type=int, default=50)
+    p.add_argument("--log-every", type=int, default=10, help="log training metrics every N steps")
     p.add_argument("--val-batches", type=int, default=None, help="batches per validation (default: all)")
     p.add_argument("--n-chars", type=int, default=400_000, help="size of the generated corpus")
     p.add_argument("--block-size", type=int, default=64)
@@ -170,6 +176,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="how ranks share the work (single: one process; hsdp needs 4 ranks, tp 2)")
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     p.add_argument("--progress", action="store_true", help="draw the progress bar even when not a terminal")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="save a checkpoint every N steps (0: only at the end)")
+    p.add_argument("--async-checkpoint", choices=["off", "async", "async_pinned"], default="async",
+                   help="write checkpoints in the background (the loop waits only for a copy)")
+    p.add_argument("--resume", default="last",
+                   help="'last' (the newest checkpoint of this run name), 'none', or a checkpoint path")
     return p.parse_args(argv)
 
 
@@ -189,8 +200,20 @@ def main(argv: list[str] | None = None) -> GPTTrainer:
             val_steps_per_epoch=args.val_batches,
             gradient_clip_val=1.0,
         ),
-        logging_parameters=LoggingParameters(log_every_n_steps=10),
-        callbacks=[ProgressBar(enabled=True if args.progress else None), LoggerCallback(), history],
+        logging_parameters=LoggingParameters(log_every_n_steps=args.log_every),
+        callbacks=[
+            ProgressBar(enabled=True if args.progress else None),
+            LoggerCallback(),
+            history,
+            CheckpointCallback(
+                CheckpointParameters(
+                    every_n_steps=args.checkpoint_every or None,
+                    async_mode=args.async_checkpoint,
+                    resume_mode=None if args.resume == "none" else args.resume,
+                    monitor="val/loss",
+                )
+            ),
+        ],
     )
     trainer = GPTTrainer(config, args)
     trainer.fit()
@@ -198,8 +221,13 @@ def main(argv: list[str] | None = None) -> GPTTrainer:
         steps = ", ".join(f"{step}: {loss:.3f}" for step, loss in history.history)
         print(f"validation loss by step: {steps}")
         print(f"logs: {trainer.run_dir / 'logs'}")
+        if trainer.status == "preempted":
+            print(f"preempted at step {trainer.global_step}: run again with --run-name {trainer.run_name} to resume")
     return trainer
 
 
 if __name__ == "__main__":
-    entrypoint(main)
+    trainer = entrypoint(main)
+    # 75 when preempted (SIGTERM/Ctrl-C: checkpointed at a step boundary), so a scheduler
+    # or torchrun --max-restarts can tell it from a crash and restart to resume.
+    raise SystemExit(trainer.exit_code if trainer is not None else 0)

@@ -5,9 +5,11 @@ and metrics.jsonl are read back."""
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,3 +67,45 @@ def test_demo_two_ranks_via_entrypoint(tmp_path):
     scalars = _scalars(tmp_path / "gpt" / "ddp" / "logs")
     val = [v for _, v in scalars["val/loss"]]
     assert len(val) == 2 and val[-1] < val[0]
+
+
+def _train_losses(log_dir):
+    records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
+
+
+def test_demo_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path):
+    """SIGTERM from outside: the demo saves at the next step boundary and exits with 75;
+    run again with the same run name, it resumes and logs exactly (bitwise) the losses of
+    a run that was never stopped."""
+    args = [*SHORT, "--root-dir", str(tmp_path), "--checkpoint-every", "10", "--log-every", "5"]
+    demo = _load_demo()
+    demo.main([*args, "--run-name", "full"])
+    full = _train_losses(tmp_path / "gpt" / "full" / "logs")
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, str(DEMO), *args, "--run-name", "cut"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    checkpoints = tmp_path / "gpt" / "cut" / "checkpoints"
+    try:
+        deadline = time.monotonic() + 180
+        while not (checkpoints / "step_000000010").is_dir():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 75, out[-3000:]
+    match = re.search(r"preempted at step (\d+)", out)
+    assert match, out[-3000:]
+    stopped = int(match.group(1))
+    assert 10 <= stopped < 40 and (checkpoints / f"step_{stopped:09d}").is_dir()
+
+    trainer = demo.main([*args, "--run-name", "cut"])
+    assert trainer.callbacks["CheckpointCallback"].resumed_from == checkpoints / f"step_{stopped:09d}"
+    assert trainer.global_step == 40 and trainer.status == "completed"
+    resumed = _train_losses(tmp_path / "gpt" / "cut" / "logs")
+    assert resumed == full  # every logged step, before and after the stop, bit for bit
