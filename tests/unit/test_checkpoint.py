@@ -234,3 +234,38 @@ def test_checkpoint_parameters_errors():
             CheckpointParameters(**kwargs)
     with pytest.raises(TypeError, match="takes a CheckpointParameters"):
         CheckpointCallback({"every_n_steps": 1})
+
+
+class StatefulToy(ToyTrainer):
+    """ToyTrainer on torchdata's StatefulDataLoader: the loader saves its own position."""
+
+    def _loader(self, x, y):
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        plain = super()._loader(x, y)
+        if self.iterable:  # no __len__: the loop looks one batch ahead
+            return StatefulDataLoader(plain.dataset, batch_size=self.batch_size)
+        return StatefulDataLoader(plain.dataset, batch_size=self.batch_size, sampler=plain.sampler)
+
+
+@pytest.mark.parametrize("iterable", [False, True])
+def test_resume_with_a_stateful_dataloader(iterable, caplog):
+    pytest.importorskip("torchdata.stateful_dataloader")
+
+    def fit(max_steps=None, root=ROOT):
+        cb = CheckpointCallback(CheckpointParameters(root_dir=root, every_n_steps=5))
+        config = TrainerConfig(
+            run_name="r", device_parameters=DeviceParameters.SINGLE_DEVICE(), callbacks=[cb],
+            training_parameters=TrainingParameters(n_epochs=2, max_steps=max_steps, num_sanity_val_steps=0),
+        )
+        trainer = StatefulToy(config, shuffle=True, dropout=0.2, iterable=iterable, with_validation=False)
+        trainer.fit()
+        return trainer, cb
+
+    full, _ = fit(root="full")
+    first, _ = fit(max_steps=7)
+    with caplog.at_level(logging.INFO, logger="dream_trainer.trainer.base"):
+        second, cb = fit()
+    assert cb.resumed_from.name == "step_000000007"
+    assert "skipped" not in caplog.text  # the loader resumed itself: no fast-forward
+    assert losses(first) + losses(second) == losses(full)
