@@ -1,34 +1,33 @@
 """Checkpoint cost: how long a save blocks the training loop, per `CheckpointParameters.async_mode`.
 
-A DreamTrainer trains a stack of square nn.Linear layers (ReLU between) with AdamW on one
-in-memory batch (no data loading); its checkpointed state (parameters + AdamW's two moment
-buffers, float32) is >= 200 MB (~50 MB with --quick). `CheckpointCallback` saves it every
-K steps, 4 saves per run, into a temporary directory on local disk (keep_last=1), with
+A DreamTrainer (one process) trains a stack of nn.Linear(1024, 1024) with AdamW on one
+in-memory batch; its state (parameters + AdamW's two moments, float32) is ~227 MB (~50 MB
+with --quick). `CheckpointCallback` saves it every K steps, 4 times per run, into a
+temporary directory on local disk (keep_last=1; deleted at the end), with async_mode
 
     off           dcp.save: the loop waits until the checkpoint is written and committed
     async         the loop waits for a copy of the state; a background thread writes it
-    async_pinned  the same with the staging buffers allocated once and reused across saves
+    async_pinned  the same, the staging buffers allocated once and reused across saves
                   (pinned memory only on CUDA: on a CPU-only machine nothing is pinned)
 
-Per save it reports
-    blocked    the seconds the loop did not train because of the checkpoint: the wall time
-               of CheckpointCallback's post_train_step, measured by probe callbacks that run
-               just before and just after it, summed over the steps from this save to the next
-               (so the commit and pruning that an async save does on a later step count too)
-    cb         the callback's own `blocked_s` (leaves out the commit and pruning)
-    written    the callback's `save_s`: from the start of the save until the files are written
-    total      from the start of the save until it is committed (rename done); an async save
-               is committed at the first step boundary after its write ends
-and whether the previous save was still in flight when this one started (a new save waits
-for it: that wait would count as blocked, so K steps are chosen to outlast a write).
+Per save: `blocked` = the seconds the loop did not train: the wall time of the callback's
+post_train_step (probe callbacks run just before and after it), summed from this save's
+step to the next save's (so anything a save costs on a later step would count); `cb` =
+the callback's own `blocked_s` (staging, plus the wait for a save still in flight); `written`
+= its `save_s` (start -> written and committed: an async save commits and prunes in its
+writer thread); `total` = start -> the committed directory is seen; `waited` = the previous
+save was still being written (the new one waits for it, so K steps should outlast a
+write). Per step: the step time without (`step`) and with (`+write`) a background write in
+flight; `slowed` = what the slower steps lost, per save.
 
-Each round runs one trainer per mode (order rotating); medians leave out each run's first
-save (warm-up: first allocations), all saves are listed in the JSON. The target (from the
-issue) is median blocked of async <= 25% of sync's. Step times with a background write in
-flight vs without show what the writer thread takes from the loop (2 cores here).
+Each round runs one trainer per mode (rotating order), so drift on a shared machine hits
+every mode alike; medians leave out each run's first save (warm-up; the JSON has all).
+Target (from the issue): median blocked of an async mode <= 25% of off's. torch uses one
+intra-op thread by default: with 2 on 2 cores, each parallel op stalls whenever the writer
+thread or another process holds a core (4 MB copies went from 0.4 to 8 ms).
 
-    python benchmarks/checkpoint.py            # ~3 minutes, ~230 MB of state
-    python benchmarks/checkpoint.py --quick    # ~30 s, ~50 MB
+    python benchmarks/checkpoint.py            # ~2 minutes
+    python benchmarks/checkpoint.py --quick    # ~20 s
 """
 
 from __future__ import annotations
@@ -54,11 +53,11 @@ from dream_trainer import (Callback, CheckpointCallback, CheckpointParameters, D
                            LoggingParameters, TrainerConfig, TrainingParameters)
 
 MODES = ("off", "async", "async_pinned")
-TARGET = 0.25  # blocked(async) / blocked(sync)
+TARGET = 0.25  # blocked(async) / blocked(off)
 
 
 class Probe:
-    """Timings of one run, filled by the two callbacks around CheckpointCallback."""
+    """One run's timings, filled by the callbacks just before and just after CheckpointCallback."""
 
     def __init__(self, ckpt: CheckpointCallback, every: int, cuda: bool):
         self.ckpt, self.every, self.cuda = ckpt, every, cuda
@@ -66,53 +65,51 @@ class Probe:
         self.hook_s: list[float] = []  # the checkpoint hook's wall time, per step
         self.saves: list[dict[str, Any]] = []
         self.t_step = self.t_hook = 0.0
-        self.n_saved = 0
+        self.n_committed = 0
 
-    def in_flight(self) -> bool:
-        return len(self.ckpt.blocked_s) > len(self.ckpt.save_s)
+    def writing(self) -> bool:
+        return len(self.ckpt.blocked_s) > len(self.ckpt.save_s)  # save_s grows when a write ends
 
     def now(self) -> float:
         if self.cuda:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def check_commits(self, t: float) -> None:
-        while self.n_saved < len(self.ckpt.saved):
-            self.saves[self.n_saved]["total_s"] = t - self.saves[self.n_saved]["t0"]
-            self.n_saved += 1
+    def committed(self, t: float) -> None:
+        for save in self.saves[self.n_committed:len(self.ckpt.saved)]:
+            save["total_s"] = t - save.pop("t0")
+        self.n_committed = len(self.ckpt.saved)
 
 
-class Before(Callback[Any]):
-    order = 999  # just before CheckpointCallback (1000)
-
+class _Probing(Callback[Any]):
     def __init__(self, probe: Probe):
         self.p = probe
+
+
+class Before(_Probing):
+    order = 999  # CheckpointCallback's is 1000
 
     def pre_train_step(self, batch: Any, batch_idx: int) -> None:
         self.p.t_step = self.p.now()
 
     def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
-        p = self.p
+        p, step = self.p, self.trainer.global_step
         p.t_hook = p.now()
-        p.step_s.append((p.t_hook - p.t_step, p.in_flight()))
-        if self.trainer.global_step % p.every == 0:
-            p.saves.append({"step": self.trainer.global_step, "t0": p.t_hook, "step_index": len(p.hook_s),
-                            "previous_in_flight": p.in_flight()})
+        p.step_s.append((p.t_hook - p.t_step, p.writing()))
+        if step % p.every == 0:
+            p.saves.append({"step": step, "t0": p.t_hook, "index": len(p.hook_s), "previous_in_flight": p.writing()})
 
 
-class After(Callback[Any]):
-    order = 1001  # just after CheckpointCallback
-
-    def __init__(self, probe: Probe):
-        self.p = probe
+class After(_Probing):
+    order = 1001
 
     def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
         t = self.p.now()
         self.p.hook_s.append(t - self.p.t_hook)
-        self.p.check_commits(t)
+        self.p.committed(t)
 
-    def post_fit(self) -> None:  # the last async save is committed here if still running
-        self.p.check_commits(self.p.now())
+    def post_fit(self) -> None:  # CheckpointCallback.post_fit waits for and commits a save still running
+        self.p.committed(self.p.now())
 
 
 class BenchTrainer(DreamTrainer):
@@ -121,9 +118,7 @@ class BenchTrainer(DreamTrainer):
         self.args, self.steps = args, steps
 
     def configure_models(self) -> None:
-        layers: list[nn.Module] = []
-        for _ in range(self.args.depth):
-            layers += [nn.Linear(self.args.width, self.args.width), nn.ReLU()]
+        layers = [m for _ in range(self.args.depth) for m in (nn.Linear(self.args.width, self.args.width), nn.ReLU())]
         self.model = nn.Sequential(*layers[:-1])
 
     def init_weights(self) -> None:
@@ -148,139 +143,123 @@ class BenchTrainer(DreamTrainer):
         return {"loss": loss}
 
 
-def state_mb(trainer: BenchTrainer) -> float:
-    tensors = list(trainer.model.parameters())
-    tensors += [t for s in trainer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors) / 1e6
-
-
-def run_once(mode: str, device: str, args: argparse.Namespace, tmp: Path, tag: str) -> dict[str, Any]:
-    every = args.every
-    steps = every * (args.saves + 1) - 1  # saves at every, 2*every, ...; a tail of steps after the last
+def run_once(mode: str, device: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     ckpt = CheckpointCallback(CheckpointParameters(
-        root_dir=str(tmp / tag / "ckpt"), every_n_steps=every, every_n_epochs=None, at_fit_end=False,
+        root_dir=str(tmp / "ckpt"), every_n_steps=args.every, every_n_epochs=None, at_fit_end=False,
         keep_last=1, resume_mode=None, async_mode=mode))
-    probe = Probe(ckpt, every, device == "cuda")
+    probe = Probe(ckpt, args.every, device == "cuda")
     config = TrainerConfig(
-        root_dir=str(tmp / tag / "runs"), run_name="r",
-        device_parameters=DeviceParameters.SINGLE_DEVICE(device=device),
+        root_dir=str(tmp / "runs"), run_name="r", device_parameters=DeviceParameters.SINGLE_DEVICE(device=device),
         training_parameters=TrainingParameters(n_epochs=1, num_sanity_val_steps=0, validate_at_epoch_end=False),
-        logging_parameters=LoggingParameters(log_every_n_steps=10**6),
-        callbacks=[Before(probe), ckpt, After(probe)],
-    )
-    trainer = BenchTrainer(config, args, steps)
+        logging_parameters=LoggingParameters(log_every_n_steps=10**6), callbacks=[Before(probe), ckpt, After(probe)])
+    # Saves at K, 2K, ... then K-1 more steps: the last save is not at the epoch's last step.
+    trainer = BenchTrainer(config, args, args.every * (args.saves + 1) - 1)
     start = time.perf_counter()
     trainer.fit()
     wall = time.perf_counter() - start
-    bounds = [s["step_index"] for s in probe.saves] + [len(probe.hook_s)]
-    for i, s in enumerate(probe.saves):
-        s.pop("t0")
-        s["blocked_s"] = sum(probe.hook_s[bounds[i]:bounds[i + 1]])
-        s["blocked_at_save_step_s"] = probe.hook_s[bounds[i]]
-        s["cb_blocked_s"] = ckpt.blocked_s[i]
-        s["written_s"] = ckpt.save_s[i]
-    with_write = [t for t, busy in probe.step_s[1:] if busy]
-    without = [t for t, busy in probe.step_s[1:] if not busy]
-    out = {
-        "mode": mode, "device": device, "state_mb": state_mb(trainer), "wall_s": wall, "saves": probe.saves,
-        "committed": [p.name for p in ckpt.saved], "step_s_with_write": with_write, "step_s_without": without,
-    }
-    shutil.rmtree(tmp / tag, ignore_errors=True)
-    del trainer, ckpt, probe
-    gc.collect()
-    return out
+    ends = [s["index"] for s in probe.saves[1:]] + [len(probe.hook_s)]
+    for s, end, cb_blocked, written in zip(probe.saves, ends, ckpt.blocked_s, ckpt.save_s, strict=True):
+        s.update(blocked_s=sum(probe.hook_s[s["index"]:end]), blocked_at_save_step_s=probe.hook_s[s["index"]],
+                 cb_blocked_s=cb_blocked, written_s=written)
+    busy = [t for t, writing in probe.step_s[1:] if writing]
+    idle = [t for t, writing in probe.step_s[1:] if not writing]
+    tensors = [*trainer.model.parameters(), *(t for st in trainer.optimizer.state.values() for t in st.values())]
+    return {"mode": mode, "device": device, "wall_s": wall, "saves": probe.saves,
+            "state_mb": sum(t.numel() * t.element_size() for t in tensors) / 1e6,
+            "step_s_with_write": busy, "step_s_without": idle,
+            "slowdown_per_save_s": (sum(busy) - len(busy) * statistics.median(idle)) / len(probe.saves)}
 
 
 def med(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def summarize(runs: list[dict[str, Any]], key: str) -> float | None:
-    return med([s[key] for r in runs for s in r["saves"][1:]])  # first save of each run: warm-up
+def kept(rs: list[dict[str, Any]], key: str) -> list[float]:
+    """`key` of every save but each run's first (warm-up)."""
+    return [s[key] for r in rs for s in r["saves"][1:]]
+
+
+def fmt(x: float | None, width: int = 8) -> str:
+    return f"{'-':>{width}}" if x is None else f"{x:>{width}.3f}"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--depth", type=int, default=18, help="Linear layers (12.6 MB of state each at width 1024)")
     p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--depth", type=int, default=18, help="Linear layers (1024x1024 each: 4.2 MB, 12.6 MB with AdamW)")
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--saves", type=int, default=4, help="saves per run")
-    p.add_argument("--every", type=int, default=8, help="steps between saves")
+    p.add_argument("--every", type=int, default=8, help="steps between saves (enough for a write to end)")
     p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every mode once")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (see above)")
     p.add_argument("--tmp", default=tempfile.gettempdir(), help="where the temporary checkpoint directory goes")
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--quick", action="store_true", help="4 layers (~50 MB), 3 saves x 2 rounds")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "checkpoint.json"))
+    if "--quick" in (sys.argv[1:] if argv is None else argv):
+        p.set_defaults(depth=4, saves=3, rounds=2)  # explicit flags still win
     args = p.parse_args(argv)
-    if args.quick:
-        args.depth, args.saves, args.rounds, args.batch_size = 4, 3, 2, 128
+    if args.every < 2 or args.saves < 2:
+        p.error("--every and --saves must be >= 2")
+    torch.set_num_threads(args.threads)
+    load = os.getloadavg()[0]
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    runs: dict[str, list[dict[str, Any]]] = {f"{d}/{m}": [] for d in devices for m in MODES}
     tmp = Path(tempfile.mkdtemp(prefix="dream_ckpt_bench_", dir=args.tmp))
     start = time.perf_counter()
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {d: {m: [] for m in MODES} for d in devices}
-    ratios: dict[str, dict[str, list[float | None]]] = {d: {m: [] for m in MODES[1:]} for d in devices}
     try:
         for device in devices:
             for r in range(args.rounds):
-                order = MODES[r % 3:] + MODES[:r % 3]
-                for mode in order:
-                    res = run_once(mode, device, args, tmp, f"{device}-{mode}-{r}")
-                    res["round"] = r
-                    runs[device][mode].append(res)
-                    print(f"  round {r} {device:<4} {mode:<12} blocked " + " ".join(
-                        f"{s['blocked_s']:.3f}" for s in res["saves"]) + f"  total " + " ".join(
-                        f"{s.get('total_s', float('nan')):.3f}" for s in res["saves"]) + f"  ({res['wall_s']:.1f} s)",
-                        flush=True)
-                sync = med([s["blocked_s"] for s in runs[device]["off"][r]["saves"][1:]])
-                for mode in MODES[1:]:
-                    b = med([s["blocked_s"] for s in runs[device][mode][r]["saves"][1:]])
-                    ratios[device][mode].append(b / sync if b is not None and sync else None)
+                for mode in MODES[r % 3:] + MODES[:r % 3]:
+                    res = run_once(mode, device, args, tmp / f"{device}-{mode}-{r}")
+                    shutil.rmtree(tmp / f"{device}-{mode}-{r}")
+                    gc.collect()
+                    runs[f"{device}/{mode}"].append(res)
+                    blocked, total = (" ".join(f"{s[k]:.3f}" for s in res["saves"]) for k in ("blocked_s", "total_s"))
+                    print(f"  round {r} {device} {mode:<12} blocked {blocked}  total {total}  ({res['wall_s']:.1f} s)",
+                          flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     wall = time.perf_counter() - start
 
-    mb = runs["cpu"]["off"][0]["state_mb"]
-    print(f"\ncheckpoint cost, {args.depth} x Linear({args.width}, {args.width}) + AdamW: state {mb:.1f} MB "
-          f"(params + 2 moments, float32), batch {args.batch_size}, save every {args.every} steps, "
-          f"{args.saves} saves x {args.rounds} rounds per mode; torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, disk {args.tmp}\n")
-    print(f"{'device':<7}{'mode':<13}{'blocked':>9}{'cb':>8}{'written':>9}{'total':>8}{'ratio':>7}{'per round':>18}"
-          f"{'step s':>8}{'+write':>8}{'in flight':>10}{'target':>8}")
+    mb = runs["cpu/off"][0]["state_mb"]
+    print(f"\ncheckpoint cost, {args.depth} x Linear({args.width}, {args.width}) + AdamW: state {mb:.1f} MB (params + 2"
+          f" moments, float32), batch {args.batch_size}, a save every {args.every} steps, {args.saves} saves x "
+          f"{args.rounds} rounds per mode\ntorch {torch.__version__}, {os.cpu_count()} CPUs, {args.threads} torch "
+          f"thread(s), disk {args.tmp}, load average {load:.1f} before, {os.getloadavg()[0]:.1f} after\n")
+    print(f"{'':<18}{'blocked':>8}{'cb':>8}{'written':>8}{'total':>8}{'ratio':>7}{'per round':>16}{'slowed':>8}"
+          f"{'step':>7}{'+write':>7}{'waited':>7}  target")
     result: dict[str, Any] = {"modes": {}}
-    for device in devices:
-        base = summarize(runs[device]["off"], "blocked_s")
-        for mode in MODES:
-            rs = runs[device][mode]
-            b = summarize(rs, "blocked_s")
-            ratio = b / base if b is not None and base else None
-            met = None if mode == "off" or ratio is None else ratio <= TARGET
-            per_round = " ".join("-" if x is None else f"{x:.2f}" for x in ratios[device].get(mode, []))
-            step = med([t for r in rs for t in r["step_s_without"]])
-            step_w = med([t for r in rs for t in r["step_s_with_write"]])
-            waited = sum(s["previous_in_flight"] for r in rs for s in r["saves"])
-            row = {"blocked_s": b, "cb_blocked_s": summarize(rs, "cb_blocked_s"), "written_s": summarize(rs, "written_s"),
-                   "total_s": summarize(rs, "total_s"), "ratio_to_sync": ratio, "ratio_per_round": ratios[device].get(mode),
-                   "step_s": step, "step_s_with_write": step_w, "saves_started_while_previous_in_flight": waited,
-                   "target_met": met, "runs": rs}
-            result["modes"][f"{device}/{mode}"] = row
-            f = lambda x, w=8: f"{x:>{w}.3f}" if x is not None else f"{'-':>{w}}"  # noqa: E731
-            print(f"{device:<7}{mode:<13}{f(b, 9)}{f(row['cb_blocked_s'])}{f(row['written_s'], 9)}{f(row['total_s'])}"
-                  f"{f(ratio, 7)}{per_round:>18}{f(step)}{f(step_w)}{waited:>10}"
-                  f"{'' if met is None else ('PASS' if met else 'FAIL'):>8}")
+    for key, rs in runs.items():
+        device, mode = key.split("/")
+        off = runs[f"{device}/off"]
+        ratio = med(kept(rs, "blocked_s")) / med(kept(off, "blocked_s"))
+        rounds = [med(kept([r], "blocked_s")) / med(kept([o], "blocked_s")) for r, o in zip(rs, off)]
+        met = None if mode == "off" else ratio <= TARGET
+        row = {k: med(kept(rs, f"{k}_s")) for k in ("blocked", "cb_blocked", "written", "total")}
+        row.update(ratio_to_off=ratio, ratio_per_round=rounds, target_met=met,
+                   cb_ratio_to_off=row["cb_blocked"] / med(kept(off, "cb_blocked_s")),
+                   slowed_per_save=med([r["slowdown_per_save_s"] for r in rs]),
+                   step=med([t for r in rs for t in r["step_s_without"]]),
+                   step_with_write=med([t for r in rs for t in r["step_s_with_write"]]),
+                   saves_that_waited_for_previous=sum(s["previous_in_flight"] for r in rs for s in r["saves"]), runs=rs)
+        result["modes"][key] = row
+        print(f"{key:<18}{fmt(row['blocked'])}{fmt(row['cb_blocked'])}{fmt(row['written'])}{fmt(row['total'])}"
+              f"{fmt(ratio, 7)}{' '.join(f'{x:.2f}' for x in rounds) if mode != 'off' else '':>16}"
+              f"{fmt(row['slowed_per_save'])}{fmt(row['step'], 7)}{fmt(row['step_with_write'], 7)}"
+              f"{row['saves_that_waited_for_previous']:>7}  {'' if met is None else ('PASS' if met else 'FAIL')}")
     if "cuda" not in devices:
-        print("cuda   (skipped: no GPU; torch.cuda.is_available() is False)")
-    print(f"\n  seconds, medians over saves 2..{args.saves} of every run (the first save of a run is warm-up).")
-    print("  blocked = wall time of the checkpoint hook (incl. a later step's commit + pruning); cb = the callback's")
-    print("  own blocked_s; written = start -> files written; total = start -> committed (async: at the next step")
-    print(f"  boundary). ratio = blocked / blocked of 'off'; target <= {TARGET:.2f}. step s = median step without a")
-    print("  background write, +write = with one in flight. in flight = saves that started (and waited) while the")
-    print("  previous one was still being written.")
+        print("cuda/*            skipped: no GPU (torch.cuda.is_available() is False)")
+    print(f"\n  seconds (medians over saves 2..{args.saves} of each run; columns: see --help). ratio = blocked / off's"
+          f" blocked,\n  overall then per round; target <= {TARGET}. step / +write = median step time without / with a"
+          " background write.")
     if not torch.cuda.is_available():
-        print("  async_pinned on this CPU-only machine: staging buffers are reused across saves but not pinned.")
+        print("  async_pinned without CUDA: the staging buffers are reused across saves, not pinned.")
     leftover = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
-    print(f"  wall {wall:.0f} s; threads left at the end: {leftover or 'none'}")
+    print(f"  wall {wall:.0f} s; threads left: {leftover or 'none'}")
     result.update(settings=vars(args), state_mb=mb, torch=torch.__version__, python=sys.version.split()[0],
-                  platform=platform.platform(), cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(),
-                  disk_path=str(tmp), devices=devices, wall_s=wall, leftover_threads=leftover, target=TARGET)
+                  platform=platform.platform(), cpu_count=os.cpu_count(), disk_path=str(tmp), devices=devices,
+                  loadavg_before=load, loadavg_after=os.getloadavg()[0], wall_s=wall, leftover_threads=leftover,
+                  target=TARGET)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -8,9 +8,9 @@ whole trainer, saved on a schedule, at preemption and at the end; resumed at set
   every N epochs, at the end of `fit()`, and when the run is preempted (SIGTERM/SIGINT
   handled at a step boundary, see `BaseTrainer`).
 - How: into a staging directory, committed by rename once complete (`dream_trainer.checkpoint`).
-  With ``async_mode`` the loop waits only for a copy of the state; writing runs in a
-  background thread on its own gloo process group, one save at a time; its errors are
-  raised at the next step; the end of `fit()` waits for it.
+  With ``async_mode`` the loop waits only for a copy of the state; writing, the commit and
+  pruning run in a background thread (collectives on their own gloo process group), one
+  save at a time; its errors are raised at the next step; the end of `fit()` waits for it.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +50,9 @@ class CheckpointCallback(Callback[BaseTrainer]):
         root: the checkpoint directory (known after setup).
         resumed_from: the checkpoint this run resumed from, if any.
         saved: committed checkpoints of this run, oldest first.
-        blocked_s: per save, the seconds the training loop waited.
-        save_s: per finished save, the seconds from its start until it was written.
+        blocked_s: per save, the seconds the training loop waited (for a save still in
+            flight too; with ``async_mode="off"``, the whole save and commit).
+        save_s: per finished save, the seconds from its start until it was committed.
     """
 
     critical = True
@@ -66,7 +68,7 @@ class CheckpointCallback(Callback[BaseTrainer]):
         self.blocked_s: list[float] = []
         self.save_s: list[float] = []
         self._last_step: int | None = None
-        self._pending: tuple[Any, Path, dict[str, Any], float] | None = None
+        self._pending: tuple[Future[None], Path] | None = None
         self._group: Any = None
         self._stager: Any = None
         self._after_validation = False
@@ -158,7 +160,8 @@ class CheckpointCallback(Callback[BaseTrainer]):
         step = trainer.global_step
         if step == self._last_step or self.root is None:
             return
-        self.wait()  # at most one save in flight
+        start = time.perf_counter()
+        self.wait()  # at most one save in flight (waiting for it counts as blocked time)
         staging = staging_dir(self.root, step)
         staging.mkdir(parents=True, exist_ok=True)
         monitor = self.params.monitor
@@ -169,38 +172,48 @@ class CheckpointCallback(Callback[BaseTrainer]):
                 "world_size": trainer.world.world_size, "time": time.time()}
         import torch.distributed.checkpoint as dcp
 
-        start = time.perf_counter()
         state = trainer.state_dict()
         if self.params.async_mode == "off" or blocking:
             dcp.save(state, checkpoint_id=str(staging))
+            self._commit(staging, meta)
             self.blocked_s.append(time.perf_counter() - start)
             self.save_s.append(self.blocked_s[-1])
-            self._commit(staging, meta)
         else:
-            future = dcp.async_save(state, checkpoint_id=str(staging), process_group=self._group, async_stager=self._stager)
+            upload = dcp.async_save(state, checkpoint_id=str(staging), process_group=self._group, async_stager=self._stager)
+            done: Future[None] = Future()
+
+            def finish(upload: Any) -> None:  # in the writer thread: commit and prune there too
+                try:
+                    upload.result()
+                    self._commit(staging, meta)
+                    self.save_s.append(time.perf_counter() - start)
+                    done.set_result(None)
+                except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+                    done.set_exception(exc)
+
+            upload.add_done_callback(finish)
+            self._pending = (done, staging)
             self.blocked_s.append(time.perf_counter() - start)
-            future.add_done_callback(lambda _: self.save_s.append(time.perf_counter() - start))
-            self._pending = (future, staging, meta, start)
         self._last_step = step
 
     def wait(self, raise_errors: bool = True) -> None:
-        """Wait for the background save (if any) and commit it."""
+        """Wait for the background save (if any): written and committed. Its error, if
+        any, is raised here as a `CheckpointError`."""
         if self._pending is None:
             return
-        future, staging, meta, _ = self._pending
+        done, staging = self._pending
         self._pending = None
         try:
-            future.result()
+            done.result()
         except dcp_errors() as exc:
             if not raise_errors:
                 logger.error("background checkpoint save to %s failed: %s", staging, describe(exc))
                 return
             raise CheckpointError(f"background checkpoint save to {staging} failed: {describe(exc)}") from exc
-        self._commit(staging, meta)
 
     def _poll(self) -> None:
         if self._pending is not None and self._pending[0].done():
-            self.wait()  # commits, or raises the background error on this step
+            self.wait()  # raises the background error, if any, on this step
 
     def _commit(self, staging: Path, meta: dict[str, Any]) -> None:
         if not self.trainer.world.is_rank_zero:
