@@ -30,6 +30,8 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/parallel.py
+	$(PY) benchmarks/checkpoint.py
 
 clean:
 	rm -rf $(VENV) site runs benchmarks/results
