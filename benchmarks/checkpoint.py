@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -51,6 +49,8 @@ from torch import nn
 
 from dream_trainer import (Callback, CheckpointCallback, CheckpointParameters, DeviceParameters, DreamTrainer,
                            LoggingParameters, TrainerConfig, TrainingParameters)
+
+from common import machine, write_json  # noqa: E402  (benchmarks/common.py)
 
 MODES = ("off", "async", "async_pinned")
 TARGET = 0.25  # blocked(async) / blocked(off)
@@ -256,14 +256,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("  async_pinned without CUDA: the staging buffers are reused across saves, not pinned.")
     leftover = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     print(f"  wall {wall:.0f} s; threads left: {leftover or 'none'}")
-    result.update(settings=vars(args), state_mb=mb, torch=torch.__version__, python=sys.version.split()[0],
-                  platform=platform.platform(), cpu_count=os.cpu_count(), disk_path=str(tmp), devices=devices,
+    result.update(settings=vars(args), state_mb=mb, **machine(), disk_path=str(tmp), devices=devices,
                   loadavg_before=load, loadavg_after=os.getloadavg()[0], wall_s=wall, leftover_threads=leftover,
                   target=TARGET)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    write_json(result, args.out)
     return result
 
 

@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +35,8 @@ import torch
 from torch import nn
 
 from dream_trainer import Callback, DeviceParameters, DreamTrainer, LoggingParameters, TrainerConfig, TrainingParameters
+
+from common import machine, write_json  # noqa: E402  (benchmarks/common.py)
 
 VARIANTS = ("raw", "dream", "dream+20cb", "dream (A/A)")
 TRAINER_VARIANTS = VARIANTS[1:]
@@ -239,14 +238,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("  only pre/post_train_epoch (no per-step cost).")
     print("  * PyTorch Lightning on this kind of model, quoted from the issue (not measured here).")
     print(f"  correctness: raw loop and trainer end one epoch with identical parameters: {identical}")
-    result.update(
-        settings=vars(args), torch=torch.__version__, python=sys.version.split()[0], platform=platform.platform(),
-        wall_s=wall, schedule=schedule, parameters_identical=identical,
-    )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    result.update(settings=vars(args), **machine(), wall_s=wall, schedule=schedule, parameters_identical=identical)
+    write_json(result, args.out)
     return result
 
 

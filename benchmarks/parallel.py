@@ -37,7 +37,6 @@ script also runs single / ddp / fsdp on min(2, device_count) GPUs over nccl.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -55,6 +54,8 @@ from train import PARALLEL, GPTTrainer, parse_args  # noqa: E402
 
 from dream_trainer import Callback, LoggingParameters, TrainerConfig, TrainingParameters  # noqa: E402
 from dream_trainer.testing import spawn_world  # noqa: E402
+
+from common import machine, write_json  # noqa: E402  (benchmarks/common.py)
 
 NOTE = (
     "2 ranks x {h} thread(s) vs 1 rank x {c} threads run on the same {c} CPU cores: no extra\n"
@@ -245,14 +246,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("  GPU rows skipped: torch.cuda.is_available() is False.")
     result.update(
         note=note, baselines={"full": full, "half": half}, settings=vars(args), tokens_per_step=tokens_per_step, wall_s=wall, gpus=gpus,
-        machine={"platform": platform.platform(), "processor": cpu_model(), "cpu_count": cores,
-                 "python": sys.version.split()[0], "torch": torch.__version__,
-                 "cuda": [torch.cuda.get_device_name(i) for i in range(gpus)]},
+        machine={**machine(), "processor": cpu_model(), "cuda": [torch.cuda.get_device_name(i) for i in range(gpus)]},
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out} ({wall:.0f} s)")
+    write_json(result, args.out)
+    print(f"({wall:.0f} s)")
     return result
 
 

@@ -162,14 +162,14 @@ def _read_metadata(path: Path) -> Any:
 
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    if read_info(path) is None and not (path / ".metadata").is_file():
+    if not (path / ".metadata").is_file():
         raise CheckpointError(
             f"{path} is not a complete checkpoint (no .metadata: the save did not finish or this is not a DCP directory)"
         )
     try:
         return FileSystemReader(str(path)).read_metadata()
     except Exception as exc:  # noqa: BLE001 - any read/unpickling error means a damaged file
-        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
+        raise CheckpointError(f"cannot read checkpoint {path}: {describe(exc)}") from exc
 
 
 def _drop(nested: dict[str, Any], path: tuple[Any, ...]) -> None:
@@ -178,36 +178,42 @@ def _drop(nested: dict[str, Any], path: tuple[Any, ...]) -> None:
     del nested[path[-1]]
 
 
+def _mismatch(key: str, value: Any, entry: Any) -> str | None:
+    """Why the run's `value` cannot load the checkpoint's `entry` for `key` (None: it can)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if entry is None:
+        return f"{key!r} is not in the checkpoint"
+    if not isinstance(value, torch.Tensor):
+        return None
+    if not isinstance(entry, TensorStorageMetadata):
+        return f"{key!r} is a tensor in this run but not in the checkpoint"
+    if tuple(entry.size) != tuple(value.shape):
+        return f"{key!r} has shape {tuple(entry.size)} in the checkpoint, {tuple(value.shape)} in this run"
+    return None
+
+
 def match_template(path: Path, template: dict[str, Any], strict: bool) -> dict[str, Any]:
     """Check `template` (the run's ``state_dict()``) against the checkpoint's metadata and
     drop what cannot be loaded: other ranks' entries, new callbacks, and, with
     ``strict=False``, every missing or mismatched key (warned). With ``strict=True`` a
     mismatch raises `CheckpointError` naming the path and the first mismatched key."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     saved = _read_metadata(path).state_dict_metadata
     flat, mapping = flatten_state_dict(template)
     problems: list[str] = []
     for key, value in flat.items():
-        entry = saved.get(key)
-        if entry is None:
-            if key.startswith(_RANK_KEYS):  # this rank did not write: drop its whole entry
-                template["ranks"].pop(mapping[key][1], None)
-                continue
-            if key.startswith(_OPTIONAL_KEYS):
-                _drop(template, mapping[key])
-                continue
-            problems.append(f"{key!r} is not in the checkpoint")
-        elif isinstance(value, torch.Tensor):
-            if not isinstance(entry, TensorStorageMetadata):
-                problems.append(f"{key!r} is a tensor in this run but not in the checkpoint")
-            elif tuple(entry.size) != tuple(value.shape):
-                problems.append(f"{key!r} has shape {tuple(entry.size)} in the checkpoint, {tuple(value.shape)} in this run")
-            else:
-                continue
-        else:
+        if key not in saved and key.startswith(_RANK_KEYS):  # this rank did not write: drop its entry
+            template["ranks"].pop(mapping[key][1], None)
             continue
+        if key not in saved and key.startswith(_OPTIONAL_KEYS):
+            _drop(template, mapping[key])
+            continue
+        problem = _mismatch(key, value, saved.get(key))
+        if problem is None:
+            continue
+        problems.append(problem)
         if strict:
             raise CheckpointError(
                 f"checkpoint {path} does not match this run: first mismatched key: {problems[0]}. "
@@ -236,7 +242,7 @@ def load_checkpoint(path: str | os.PathLike[str], template: dict[str, Any], stri
     template = match_template(path, template, strict)
     try:
         dcp.load(template, checkpoint_id=str(path), process_group=process_group)
-    except dcp_errors() as exc:  # noqa: BLE001 - truncated or damaged files
+    except dcp_errors() as exc:  # truncated or damaged files
         raise CheckpointError(f"cannot load checkpoint {path}: {describe(exc)}") from exc
     return template
 
@@ -272,7 +278,7 @@ def export_model(
         with warnings.catch_warnings():  # "loading in a single process": intended here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(template, checkpoint_id=str(path), no_dist=True)
-    except dcp_errors() as exc:  # noqa: BLE001
+    except dcp_errors() as exc:
         raise CheckpointError(f"cannot load checkpoint {path}: {describe(exc)}") from exc
     state = {key[len(prefix):]: (t.to(dtype) if dtype is not None and t.is_floating_point() else t) for key, t in template.items()}
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -249,9 +249,10 @@ class CheckpointCallback(Callback[BaseTrainer]):
             elif mode == "best":
                 infos = list_checkpoints(self.root)
                 best = best_of(infos, self.params.mode)
-                if infos and not best:
+                if best:
+                    choice = best[0].path
+                elif infos:
                     choice = CheckpointError(f"resume_mode='best': no checkpoint under {self.root} has a score")
-                choice = choice or (best[0].path if best else None)
             else:
                 choice = Path(mode)
         choice = world.broadcast_object(choice)

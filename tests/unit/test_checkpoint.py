@@ -200,7 +200,7 @@ def test_background_save_error_surfaces_on_the_next_step(monkeypatch):
     with pytest.raises(CheckpointError, match="(?s)background checkpoint save to .*step_000000004 failed: rank 0: OSError: disk full"):
         run(callbacks=[When()], every_n_steps=4, async_mode="async", max_steps=10)
     assert seen == [5]  # raised at the end of the next step, not lost
-    assert not [i for i in list_checkpoints(ROOT)]
+    assert not list_checkpoints(ROOT)
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])

@@ -1,0 +1,27 @@
+"""What every benchmark script shares: the machine description and the JSON file."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def machine() -> dict[str, Any]:
+    """Where the numbers were taken."""
+    return {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
+            "torch": torch.__version__}
+
+
+def write_json(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Write `result` to `path` (creating its folder) and say where."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    return out
