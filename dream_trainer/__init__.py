@@ -5,12 +5,12 @@ from dream_trainer.callbacks import (
     Callback,
     CallbackCollection,
     CallbackDependencyError,
+    CheckpointCallback,
     LoggerCallback,
     ProgressBar,
     RankZeroCallback,
     StopTraining,
 )
-from dream_trainer.callbacks.checkpoint import CheckpointCallback
 from dream_trainer.checkpoint import CheckpointError, CheckpointInfo, export_model, list_checkpoints
 from dream_trainer.configs import (
     CheckpointParameters,
@@ -19,13 +19,14 @@ from dream_trainer.configs import (
     TrainerConfig,
     TrainingParameters,
 )
-from dream_trainer.launch import RunIdentity, entrypoint
-from dream_trainer.trainer import EXIT_PREEMPTED, AbstractTrainer, BaseTrainer, DreamTrainer, TrainingInterrupted
+from dream_trainer.launch import LaunchResult, RunIdentity, entrypoint
+from dream_trainer.trainer import EXIT_FAILED, EXIT_PREEMPTED, AbstractTrainer, BaseTrainer, DreamTrainer, TrainingInterrupted
 from dream_trainer.world import DistributedWorld, MeshPlan, MeshPlanError, plan_mesh
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "EXIT_FAILED",
     "EXIT_PREEMPTED",
     "HOOKS",
     "AbstractTrainer",
@@ -40,6 +41,7 @@ __all__ = [
     "DeviceParameters",
     "DistributedWorld",
     "DreamTrainer",
+    "LaunchResult",
     "LoggerCallback",
     "LoggingParameters",
     "MeshPlan",

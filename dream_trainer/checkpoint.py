@@ -34,7 +34,9 @@ META_FILE = "dream_trainer.json"
 STAGING_PREFIX = ".staging-"
 _NAME = re.compile(r"^step_(\d+)$")
 _RANK_KEYS = "ranks."  # per-rank entries: present only for the ranks that wrote them
-_OPTIONAL_KEYS = ("callbacks.",)  # a callback new in this run has nothing to load
+# A callback new in this run has nothing to load; checkpoints from before the list of
+# saved callbacks was recorded have no "trainer.callbacks".
+_OPTIONAL_KEYS = ("callbacks.", "trainer.callbacks")
 
 
 class CheckpointError(RuntimeError):
@@ -131,6 +133,21 @@ def commit(staging: Path, meta: dict[str, Any]) -> Path:
     os.rename(staging, final)
     _fsync_dir(final.parent)
     return final
+
+
+def check_writable(root: Path, what: str) -> None:
+    """Create `root` if needed and write a probe file in it; raise `CheckpointError` naming
+    `what` (the setting it comes from) when that fails."""
+    probe = root / f".write-probe-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise CheckpointError(
+            f"{what}={str(root)!r}: checkpoints cannot be written there ({type(exc).__name__}: {exc}); "
+            "choose a writable directory"
+        ) from exc
 
 
 def clean_staging(root: Path) -> list[Path]:

@@ -3,6 +3,8 @@ so a bad value fails before any process group, model or file exists."""
 
 from __future__ import annotations
 
+import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Union
@@ -28,6 +30,34 @@ def _positive_int(owner: str, name: str, value: Any, *, allow_none: bool = False
         raise ValueError(f"{owner}.{name}={value!r} is invalid: expected {allowed}")
 
 
+def _flags(owner: str, obj: Any, *names: str) -> None:
+    """Bool fields must be bools: ``compile_model="no"`` would otherwise turn compiling on."""
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, bool):
+            raise TypeError(f"{owner}.{name}={value!r} is invalid: expected True or False")
+
+
+def _seconds(owner: str, name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{owner}.{name}={value!r} is invalid: expected a finite number > 0" + (" or None" if allow_none else ""))
+
+
+def _path(owner: str, name: str, value: Any, *, allow_none: bool = False) -> str | None:
+    """A path field as a ``str``; ``pathlib.Path`` (any ``os.PathLike``) is accepted."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value:
+        allowed = "a non-empty str or pathlib.Path" + (" or None" if allow_none else "")
+        error = ValueError if isinstance(value, str) else TypeError
+        raise error(f"{owner}.{name}={value!r} is invalid: expected {allowed}")
+    return value
+
+
 @dataclass(kw_only=True)
 class TrainingParameters:
     """How long and how to train.
@@ -44,6 +74,10 @@ class TrainingParameters:
         val_every_n_steps: validate every N optimizer steps (None: only at epoch end).
         validate_at_epoch_end: validate after every epoch.
         num_sanity_val_steps: validation batches run before training (0: none).
+        scheduler_monitor: the logged metric (e.g. ``"val/loss"``) that schedulers stepped
+            with a metric (``ReduceLROnPlateau``) receive, after every validation run (at
+            every epoch's end without validation data). Needed when there is such a
+            scheduler; checked at setup.
     """
 
     n_epochs: int | None = 1
@@ -55,9 +89,11 @@ class TrainingParameters:
     val_every_n_steps: int | None = None
     validate_at_epoch_end: bool = True
     num_sanity_val_steps: int = 2
+    scheduler_monitor: str | None = None
 
     def __post_init__(self) -> None:
         owner = "TrainingParameters"
+        _flags(owner, self, "validate_at_epoch_end")
         _positive_int(owner, "n_epochs", self.n_epochs, allow_none=True)
         _positive_int(owner, "max_steps", self.max_steps, allow_none=True)
         if self.n_epochs is None and self.max_steps is None:
@@ -67,11 +103,15 @@ class TrainingParameters:
         _positive_int(owner, "gradient_accumulation_steps", self.gradient_accumulation_steps)
         _positive_int(owner, "val_every_n_steps", self.val_every_n_steps, allow_none=True)
         _positive_int(owner, "num_sanity_val_steps", self.num_sanity_val_steps, allow_zero=True)
-        if self.gradient_clip_val is not None and not (
-            isinstance(self.gradient_clip_val, (int, float)) and self.gradient_clip_val > 0
+        clip = self.gradient_clip_val
+        if clip is not None and (
+            isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip <= 0
         ):
+            raise ValueError(f"{owner}.gradient_clip_val={clip!r} is invalid: expected a finite number > 0 or None")
+        if self.scheduler_monitor is not None and (not isinstance(self.scheduler_monitor, str) or not self.scheduler_monitor):
             raise ValueError(
-                f"{owner}.gradient_clip_val={self.gradient_clip_val!r} is invalid: expected a number > 0 or None"
+                f"{owner}.scheduler_monitor={self.scheduler_monitor!r} is invalid: expected a metric name "
+                "(e.g. 'val/loss') or None"
             )
 
 
@@ -96,6 +136,7 @@ class LoggingParameters:
 
     def __post_init__(self) -> None:
         _positive_int("LoggingParameters", "log_every_n_steps", self.log_every_n_steps)
+        _flags("LoggingParameters", self, "log_grad_norm", "log_lr")
 
 
 @dataclass(kw_only=True)
@@ -144,9 +185,8 @@ class DeviceParameters:
             if value is not None and value not in _DTYPES:
                 raise ValueError(f"{owner}.{name}={value!r} is invalid: expected None or one of {_DTYPES}")
         for name in ("init_timeout_s", "timeout_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"{owner}.{name}={value!r} is invalid: expected seconds > 0")
+            _seconds(owner, name, getattr(self, name))
+        _flags(owner, self, "compile_model", "checkpoint_activations", "cpu_offload")
 
     @classmethod
     def SINGLE_DEVICE(cls, **kwargs: Any) -> DeviceParameters:
@@ -195,7 +235,7 @@ class CheckpointParameters:
             memory on CUDA).
     """
 
-    root_dir: str | None = None
+    root_dir: str | os.PathLike[str] | None = None
     every_n_steps: int | None = None
     every_n_epochs: int | None = 1
     at_fit_end: bool = True
@@ -203,12 +243,16 @@ class CheckpointParameters:
     monitor: str | None = None
     mode: Literal["min", "max"] = "min"
     keep_best: int = 1
-    resume_mode: str | None = "last"
+    resume_mode: str | os.PathLike[str] | None = "last"
     strict: bool = True
     async_mode: Literal["off", "async", "async_pinned"] = "off"
 
     def __post_init__(self) -> None:
         owner = "CheckpointParameters"
+        _flags(owner, self, "at_fit_end", "strict")
+        self.root_dir = _path(owner, "root_dir", self.root_dir, allow_none=True)
+        if self.resume_mode is not None:
+            self.resume_mode = _path(owner, "resume_mode", self.resume_mode)
         _positive_int(owner, "every_n_steps", self.every_n_steps, allow_none=True)
         _positive_int(owner, "every_n_epochs", self.every_n_epochs, allow_none=True)
         _positive_int(owner, "keep_last", self.keep_last, allow_none=True)
@@ -217,14 +261,8 @@ class CheckpointParameters:
             raise ValueError(f"{owner}.mode={self.mode!r} is invalid: expected 'min' or 'max'")
         if self.async_mode not in ("off", "async", "async_pinned"):
             raise ValueError(f"{owner}.async_mode={self.async_mode!r} is invalid: expected 'off', 'async' or 'async_pinned'")
-        if self.resume_mode is not None and (not isinstance(self.resume_mode, str) or not self.resume_mode):
-            raise ValueError(
-                f"{owner}.resume_mode={self.resume_mode!r} is invalid: expected 'last', 'best', a checkpoint path or None"
-            )
         if self.resume_mode == "best" and self.monitor is None:
             raise ValueError(f"{owner}.resume_mode='best' needs a monitor (e.g. monitor='val/loss')")
-        if self.root_dir is not None and (not isinstance(self.root_dir, str) or not self.root_dir):
-            raise ValueError(f"{owner}.root_dir={self.root_dir!r} is invalid: expected a directory path or None")
 
 
 @dataclass(kw_only=True)
@@ -235,18 +273,19 @@ class TrainerConfig:
         experiment: name of the experiment (a folder under `root_dir`).
         run_name: name of this run (default: a timestamp, agreed on by every rank).
         root_dir: where run directories go: ``root_dir/experiment/run_name``.
-        seed: seed of every RNG (the same on every rank; None: not seeded).
-        callbacks: the callbacks, as a list, a name -> callback mapping, or a collection.
+        seed: seed of every RNG (the same on every rank; 0 <= seed < 2**32; None: not seeded).
+        callbacks: the callbacks, as a list, a name -> callback mapping, a collection, or a
+            single callback.
     """
 
     experiment: str = "default"
     run_name: str | None = None
-    root_dir: str = "runs"
+    root_dir: str | os.PathLike[str] = "runs"
     seed: int | None = 42
     training_parameters: TrainingParameters = field(default_factory=TrainingParameters)
     device_parameters: DeviceParameters = field(default_factory=DeviceParameters)
     logging_parameters: LoggingParameters = field(default_factory=LoggingParameters)
-    callbacks: CallbackCollection | list[Callback[Any]] | dict[str, Callback[Any]] | None = None
+    callbacks: CallbackCollection | list[Callback[Any]] | dict[str, Callback[Any]] | Callback[Any] | None = None
 
     def __post_init__(self) -> None:
         for name in ("experiment", "run_name"):
@@ -255,8 +294,11 @@ class TrainerConfig:
                 continue
             if not isinstance(value, str) or not value or "/" in value or value in (".", ".."):
                 raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: expected a non-empty name without '/'")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"TrainerConfig.seed={self.seed!r} is invalid: expected an int >= 0 or None")
+        self.root_dir = _path("TrainerConfig", "root_dir", self.root_dir)  # type: ignore[assignment]
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
+            raise ValueError(f"TrainerConfig.seed={seed!r} is invalid: expected an int in [0, 2**32) or None")
+        self.callbacks = _callbacks(self.callbacks)
         for name, kind in (
             ("training_parameters", TrainingParameters),
             ("device_parameters", DeviceParameters),
@@ -264,3 +306,23 @@ class TrainerConfig:
         ):
             if not isinstance(getattr(self, name), kind):
                 raise TypeError(f"TrainerConfig.{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}")
+
+
+def _callbacks(value: Any) -> Any:
+    """A single callback becomes a one-element list; anything else that is not a list,
+    tuple, mapping or collection of callbacks is an error (the collection checks the items)."""
+    from collections.abc import Mapping
+
+    from dream_trainer.callbacks.base import Callback
+    from dream_trainer.callbacks.collection import CallbackCollection
+
+    if value is None or isinstance(value, (CallbackCollection, Mapping)):
+        return value
+    if isinstance(value, Callback):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise TypeError(
+        f"TrainerConfig.callbacks={value!r} is invalid: expected a list of callbacks, a name -> callback "
+        "mapping, a CallbackCollection, a single Callback or None"
+    )

@@ -15,13 +15,21 @@ before the ranks start, so every rank agrees on it::
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+
+EXIT_PREEMPTED = 75
+"""The exit status of a preempted run (``EX_TEMPFAIL``: stopped early, checkpointed, resumable)."""
 
 T = TypeVar("T")
 
@@ -96,14 +104,18 @@ def entrypoint(
     experiment: str | None = None,
     seed: int | None = None,
     argv: list[str] | None = None,
-) -> T | None:
+) -> T | LaunchResult:
     """Run `main` once per rank.
 
     - Under torchrun (or in a rank this function spawned): call ``main()``.
     - With ``--nproc N`` on the command line, the ``DREAM_TRAINER_NPROC`` variable or
-      `nproc` (in that order of precedence), N > 1: spawn N local ranks of this same script
-      through ``torch.distributed.run`` on 127.0.0.1 and a free port; returns None.
+      `nproc` (in that order of precedence), N > 1: start N local ranks of this same script
+      on 127.0.0.1 and a free port, wait for them and return a `LaunchResult` (see
+      `_spawn`: signals are forwarded, a preempted rank never gets its peers killed).
     - Otherwise: call ``main()`` in this process and return its result.
+
+    When ``main`` returns the trainer, ``raise SystemExit(entrypoint(main).exit_code)``
+    exits every process with the run's status (75 when preempted) — the launcher too.
 
     ``--nproc`` is removed from ``sys.argv`` before ``main`` parses it. A run name (a
     timestamp), and `experiment`/`seed` when given, are exported so every rank agrees.
@@ -126,26 +138,104 @@ def entrypoint(
         os.environ.setdefault(ENV_SEED, str(seed))
     if nproc is None or nproc == 1:
         return main()
-    _spawn(nproc, rest)
-    return None
+    return _spawn(nproc, rest)
 
 
-def _spawn(nproc: int, script_args: list[str]) -> None:
-    from torch.distributed.run import get_args_parser, run
+@dataclass(frozen=True)
+class LaunchResult:
+    """What `entrypoint` returns in the process that spawned the ranks (``--nproc N``).
 
-    launcher = [
-        "--nnodes=1",
-        f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        "--max_restarts=0",
-    ]
+    Attributes:
+        exit_codes: each rank's exit status, by rank (a rank killed by signal S: ``128 + S``).
+    """
+
+    exit_codes: tuple[int, ...]
+
+    @property
+    def exit_code(self) -> int:
+        """The status for the launcher to exit with: 0 when every rank succeeded, the
+        first failed rank's status when one failed, else `EXIT_PREEMPTED` (75: a rank was
+        preempted and every rank checkpointed or succeeded). ``raise SystemExit(result.exit_code)``."""
+        failed = [code for code in self.exit_codes if code not in (0, EXIT_PREEMPTED)]
+        if failed:
+            return failed[0]
+        return EXIT_PREEMPTED if EXIT_PREEMPTED in self.exit_codes else 0
+
+
+def _spawn(nproc: int, script_args: list[str], grace_s: float = 30.0) -> LaunchResult:
+    """Start `nproc` ranks of this script on 127.0.0.1 and wait for all of them.
+
+    - SIGTERM/SIGINT to this process is forwarded to every rank, once per signal (the
+      ranks run in their own session, so a terminal's Ctrl-C reaches them only this way;
+      on Linux a rank also gets SIGTERM if this process dies).
+    - A rank exiting with `EXIT_PREEMPTED` (75) does not disturb the others: they finish
+      committing their checkpoint. A rank that fails (any other non-zero status) gives the
+      others `grace_s` to end by themselves (they normally fail at once: a failed rank
+      releases its peers), then they get SIGTERM, then SIGKILL after another `grace_s`.
+    """
     main_module = sys.modules.get("__main__")
     spec = getattr(main_module, "__spec__", None)
     if spec is not None and spec.name and spec.name != "__main__":
-        target = ["--module", spec.name.removesuffix(".__main__")]
+        target = ["-m", spec.name.removesuffix(".__main__")]
     else:
         target = [os.path.abspath(sys.argv[0])]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc),
+               LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0")
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local ranks talk over loopback
-    run(get_args_parser().parse_args(launcher + target + script_args))
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local ranks talk over loopback
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for rank in range(nproc):
+            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+            procs.append(subprocess.Popen([sys.executable, *target, *script_args], env=rank_env,
+                                          start_new_session=True, preexec_fn=_die_with_parent))
+        codes = _wait_all(procs, grace_s)
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        for proc in procs:  # this process is being interrupted: end every rank
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    result = LaunchResult(tuple(codes))
+    for rank, code in enumerate(codes):
+        if code not in (0, EXIT_PREEMPTED):
+            logger.error("rank %d exited with status %d", rank, code)
+    return result
+
+
+def _wait_all(procs: list[subprocess.Popen[bytes]], grace_s: float) -> list[int]:
+    codes: list[int | None] = [None] * len(procs)
+    failed_at: float | None = None
+    signalled = 0  # 0: none sent, 1: SIGTERM sent, 2: SIGKILL sent
+    while None in codes:
+        for rank, proc in enumerate(procs):
+            if codes[rank] is None and (code := proc.poll()) is not None:
+                codes[rank] = 128 - code if code < 0 else code
+                if codes[rank] not in (0, EXIT_PREEMPTED) and failed_at is None:
+                    failed_at = time.monotonic()
+        if failed_at is not None and signalled < 2 and time.monotonic() - failed_at > grace_s * (signalled + 1):
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM if signalled == 0 else signal.SIGKILL)
+            signalled += 1
+        time.sleep(0.05)
+    return [int(code) for code in codes]  # type: ignore[arg-type]
+
+
+def _die_with_parent() -> None:
+    """In a spawned rank (Linux): receive SIGTERM when the launcher dies, so no rank is
+    orphaned (it checkpoints and exits like a preempted run)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

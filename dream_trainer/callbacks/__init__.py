@@ -1,9 +1,31 @@
-"""Callbacks: the protocol and the callbacks that ship with dream_trainer."""
+"""Callbacks: the protocol and the callbacks that ship with dream_trainer.
+
+The protocol (`Callback`, `RankZeroCallback`, `StopTraining`, `HOOKS`, `CallbackCollection`)
+depends on nothing else in the package, and the trainer depends on it. The shipped
+callbacks depend on the trainer, so they are loaded on first access
+(``from dream_trainer.callbacks import CheckpointCallback``): importing the protocol never
+imports the trainer, whatever module is imported first, and a callback's optional
+dependency is imported only when that callback is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from dream_trainer.callbacks.base import CONTEXT_HOOKS, HOOKS, Callback, RankZeroCallback, StopTraining
 from dream_trainer.callbacks.collection import CallbackCollection, CallbackDependencyError
-from dream_trainer.callbacks.logging import LoggerCallback
-from dream_trainer.callbacks.progress import ProgressBar
+
+if TYPE_CHECKING:
+    from dream_trainer.callbacks.checkpoint import CheckpointCallback
+    from dream_trainer.callbacks.logger import LoggerCallback
+    from dream_trainer.callbacks.progress import ProgressBar
+
+_SHIPPED = {
+    "CheckpointCallback": "dream_trainer.callbacks.checkpoint",
+    "LoggerCallback": "dream_trainer.callbacks.logger",
+    "ProgressBar": "dream_trainer.callbacks.progress",
+}
 
 __all__ = [
     "CONTEXT_HOOKS",
@@ -11,8 +33,21 @@ __all__ = [
     "Callback",
     "CallbackCollection",
     "CallbackDependencyError",
+    "CheckpointCallback",
     "LoggerCallback",
     "ProgressBar",
     "RankZeroCallback",
     "StopTraining",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SHIPPED:
+        value = getattr(importlib.import_module(_SHIPPED[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -39,6 +39,7 @@ HOOKS: tuple[str, ...] = (
     "post_validation_step",
     "on_log",
     "on_interrupt",
+    "on_teardown",
 )
 """Every hook a callback can override, in lifecycle order. `CallbackCollection` has one
 dispatch method of the same name for each of them (checked when the module loads)."""
@@ -48,12 +49,19 @@ CONTEXT_HOOKS: tuple[str, ...] = ("train_context", "validation_context")
 
 
 class StopTraining(Exception):
-    """Raise from any hook (or a training step) to end `fit()` cleanly.
+    """Raise from a callback hook to end `fit()` cleanly, on every rank.
 
-    Raised from `pre_fit`, the sanity check or the training loop, the loop stops at once and
-    `post_fit` runs; raised earlier (launch, configure, setup) or from `post_fit`, the rest
-    of the lifecycle is skipped. Either way the world is torn down, `fit()` returns
-    normally and `trainer.stop_reason` holds the message.
+    Raised from a hook, it is a request (`BaseTrainer.request_stop`): the hook's other
+    callbacks still run, the current step finishes, and every rank stops at the same agreed
+    point — the next step boundary (on several ranks, the one after: the ranks agree
+    without a host wait), after a validation run, at an epoch's end, or before the next
+    lifecycle phase when raised before the loop (the rest of the lifecycle is then skipped).
+    `post_fit` runs when the loop had started. The world is torn down, `fit()` returns
+    normally with ``status == "stopped"`` and `trainer.stop_reason` holds the message.
+
+    Raised from ``training_step``/``validation_step`` itself, it stops that rank at once:
+    on several ranks, every rank must raise it at the same step — call
+    ``self.request_stop(reason)`` instead and return from the step normally.
     """
 
     def __init__(self, reason: str = "stopped by a callback"):
@@ -72,7 +80,11 @@ class Callback(Generic[TrainerT]):
     Attributes:
         critical: when False, an exception raised by a hook is logged (with traceback,
             once) and training goes on; after `max_consecutive_failures` failures on
-            consecutive steps the callback is disabled. Critical callbacks propagate.
+            consecutive steps the callback is disabled — on every rank at the same step
+            boundary (the ranks agree). A non-critical callback must not run collectives
+            (one rank failing before a collective would leave the others waiting in it):
+            a callback that communicates is critical. Its `state_dict`/`load_state_dict`
+            errors are warned about and its state skipped. Critical callbacks propagate.
         order: callbacks run in ascending `order`, then insertion order.
         max_consecutive_failures: see `critical`.
     """
@@ -111,7 +123,18 @@ class Callback(Generic[TrainerT]):
 
     # -- other -----------------------------------------------------------------------
     def on_log(self, metrics: dict[str, float], step: int) -> None: ...
-    def on_interrupt(self) -> None: ...
+
+    def on_interrupt(self, error: BaseException) -> None:
+        """The run is ending on an exception: `error` is it — a `TrainingInterrupted` for a
+        signal (``error.signal``; ``trainer.status == "preempted"`` when handled at a step
+        boundary) or any exception that failed the run (``status == "failed"``). A critical
+        callback that raises here turns a preempted run into a failed one."""
+
+    def on_teardown(self, status: str) -> None:
+        """Always the last hook, on every path (also after a `StopTraining` raised before
+        `pre_fit`, or a failure), with the final ``trainer.status``; before the process
+        group is destroyed, but it must not run collectives (a peer may be gone). Stop
+        profilers, dashboards and background threads here."""
 
     def train_context(self) -> AbstractContextManager[Any] | None:
         """A context entered around every ``training_step`` (None: nothing to enter)."""

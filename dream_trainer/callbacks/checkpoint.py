@@ -28,6 +28,7 @@ from dream_trainer.callbacks.base import Callback
 from dream_trainer.checkpoint import (
     CheckpointError,
     best_of,
+    check_writable,
     clean_staging,
     dcp_errors,
     describe,
@@ -76,9 +77,14 @@ class CheckpointCallback(Callback[BaseTrainer]):
 
     # ------------------------------------------------------------------ lifecycle
     def pre_launch(self) -> None:
+        """Fail before any process group or model exists: a missing resume path, or a
+        checkpoint directory that cannot be created or written."""
         mode = self.params.resume_mode
         if mode not in (None, "last", "best") and not Path(mode).exists():
             raise CheckpointError(f"CheckpointParameters.resume_mode={mode!r}: no checkpoint at {Path(mode).resolve()}")
+        root = self.params.root_dir or self.trainer.config.root_dir
+        what = "CheckpointParameters.root_dir" if self.params.root_dir else "TrainerConfig.root_dir"
+        check_writable(Path(root), what)
 
     def post_configure(self) -> None:
         """Resume here: models, optimizers, schedulers and dataloaders exist, and the
@@ -86,11 +92,9 @@ class CheckpointCallback(Callback[BaseTrainer]):
         trainer, world = self.trainer, self.trainer.world
         self.root = Path(self.params.root_dir) if self.params.root_dir else trainer.run_dir / "checkpoints"
         if self.params.async_mode != "off":
-            import torch.distributed as dist
-
             # Background saves run collectives; on their own group they never interleave
             # with the training loop's.
-            self._group = dist.new_group(backend="gloo")
+            self._group = world.new_group(backend="gloo")
             if self.params.async_mode == "async_pinned":
                 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -135,20 +139,22 @@ class CheckpointCallback(Callback[BaseTrainer]):
             self.save()
 
     def post_fit(self) -> None:
-        try:
-            if self.params.at_fit_end:
-                self.save()
-            self.wait()
-        finally:
-            self._close()
+        if self.params.at_fit_end:
+            self.save()
+        self.wait()
 
-    def on_interrupt(self) -> None:
+    def on_interrupt(self, error: BaseException) -> None:
+        if self.trainer.status == "preempted":  # at a step boundary: a consistent state
+            self.save(blocking=True)  # a failure here fails the run (never a false "preempted")
+            self.wait()
+        else:  # a crash mid-step: keep the last good checkpoint, finish a save under way
+            self.wait(raise_errors=False)
+
+    def on_teardown(self, status: str) -> None:
+        """Every path ends here: a save still in flight is finished (its error logged), the
+        staging buffers and the background group are released."""
         try:
-            if self.trainer.status == "preempted":  # at a step boundary: a consistent state
-                self.save(blocking=True)
-                self.wait()
-            else:  # a crash mid-step: keep the last good checkpoint, finish a save under way
-                self.wait(raise_errors=False)
+            self.wait(raise_errors=False)
         finally:
             self._close()
 
@@ -174,7 +180,10 @@ class CheckpointCallback(Callback[BaseTrainer]):
 
         state = trainer.state_dict()
         if self.params.async_mode == "off" or blocking:
-            dcp.save(state, checkpoint_id=str(staging))
+            try:
+                dcp.save(state, checkpoint_id=str(staging))
+            except dcp_errors() as exc:  # DCP's CheckpointException is a BaseException
+                raise CheckpointError(f"checkpoint save to {staging} failed: {describe(exc)}") from exc
             self._commit(staging, meta)
             self.blocked_s.append(time.perf_counter() - start)
             self.save_s.append(self.blocked_s[-1])

@@ -214,7 +214,15 @@ class CallbackCollection:
 
     def _on_error(self, fn: Callable[..., Any], hook: str, exc: Exception) -> None:
         callback: Callback[Any] = fn.__self__  # type: ignore[attr-defined]
-        if isinstance(exc, StopTraining) or callback.critical:
+        if isinstance(exc, StopTraining):
+            # Inside a trainer, a request every rank agrees on at the next boundary (the
+            # hook's other callbacks and the step go on); standalone, it propagates.
+            request_stop = getattr(self._trainer, "request_stop", None)
+            if request_stop is None:
+                raise exc
+            request_stop(exc.reason)
+            return
+        if callback.critical:
             raise exc
         try:
             name = self._name_of(callback)
@@ -231,9 +239,19 @@ class CallbackCollection:
         else:
             logger.warning("non-critical callback %r failed again in %s: %r", name, hook, exc)
         if state.count >= callback.max_consecutive_failures:
-            logger.warning(
-                "disabling callback %r after %d consecutive failures", name, state.count
-            )
+            why = f"{state.count} consecutive failures"
+            # Inside a trainer, every rank disables it at the same boundary.
+            request_disable = getattr(self._trainer, "request_disable", None)
+            if request_disable is None:
+                self.disable(name, why)
+            else:
+                request_disable(name, why)
+
+    def disable(self, name: str, why: str) -> None:
+        """Remove the callback `name` (a non-critical one that keeps failing), with a
+        warning. Unknown names (already removed) are ignored."""
+        if name in self._callbacks:
+            logger.warning("disabling callback %r after %s", name, why)
             self.remove(name)
 
     def contexts(self, hook: str) -> list[AbstractContextManager[Any]]:
@@ -278,7 +296,8 @@ class CallbackCollection:
     _h_pre_validation_step: tuple[Callable[[Any, int], None], ...]
     _h_post_validation_step: tuple[Callable[[dict[str, Any], int], None], ...]
     _h_on_log: tuple[Callable[[dict[str, float], int], None], ...]
-    _h_on_interrupt: tuple[Callable[[], None], ...]
+    _h_on_interrupt: tuple[Callable[[BaseException], None], ...]
+    _h_on_teardown: tuple[Callable[[str], None], ...]
 
     def pre_launch(self) -> None:
         if self._h_pre_launch:
@@ -368,36 +387,74 @@ class CallbackCollection:
         if self._h_on_log:
             self._call2(self._h_on_log, "on_log", metrics, step)
 
-    def on_interrupt(self) -> None:
-        """Every callback's `on_interrupt` runs; their own errors are logged, never raised
-        (an interruption is already being handled)."""
-        for fn in self._h_on_interrupt:
+    def on_interrupt(self, error: BaseException) -> list[BaseException]:
+        """Every callback's `on_interrupt` runs. Errors are logged, never raised here (an
+        interruption is already being handled); the critical callbacks' errors are
+        returned, for the trainer to mark the run failed."""
+        return self._call_all(self._h_on_interrupt, "on_interrupt", error)
+
+    def on_teardown(self, status: str) -> list[BaseException]:
+        """Every callback's `on_teardown` runs; like `on_interrupt`, errors are logged and
+        the critical callbacks' errors returned."""
+        return self._call_all(self._h_on_teardown, "on_teardown", status)
+
+    def _call_all(self, fns: tuple[Callable[[Any], None], ...], hook: str, arg: Any) -> list[BaseException]:
+        failures: list[BaseException] = []
+        for fn in fns:
             try:
-                fn()
-            except Exception:  # noqa: BLE001
-                logger.exception("on_interrupt of %r failed", type(fn.__self__).__name__)  # type: ignore[attr-defined]
+                fn(arg)
+            except Exception as exc:  # noqa: BLE001
+                callback = fn.__self__  # type: ignore[attr-defined]
+                logger.exception("%s of %r failed", hook, type(callback).__name__)
+                if callback.critical and not isinstance(exc, StopTraining):
+                    failures.append(exc)
+        return failures
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, dict[str, Any]]:
-        """``{name: callback.state_dict()}`` for every callback that keeps state."""
-        return {
-            name: cb.state_dict()
-            for name, cb in self._callbacks.items()
-            if type(cb).state_dict is not Callback.state_dict
-        }
+        """``{name: callback.state_dict()}`` for every callback that keeps state. A
+        non-critical callback whose `state_dict` raises is left out, with a warning."""
+        out = {}
+        for name, cb in self._callbacks.items():
+            if type(cb).state_dict is Callback.state_dict:
+                continue
+            try:
+                out[name] = cb.state_dict()
+            except Exception:  # noqa: BLE001
+                if cb.critical:
+                    raise
+                logger.warning("state_dict of non-critical callback %r failed: its state is not saved", name, exc_info=True)
+        return out
 
     def load_state_dict(self, state: Mapping[str, dict[str, Any]]) -> None:
-        """Restore callback states by name; a saved callback that is absent only warns."""
+        """Restore callback states by name; a saved callback that is absent only warns, and
+        so does a non-critical callback whose `load_state_dict` raises (it keeps its
+        current state)."""
         for name, cb_state in state.items():
-            if name in self._callbacks:
-                self._callbacks[name].load_state_dict(cb_state)
-            else:
+            if name not in self._callbacks:
+                warn_absent_callbacks([name], list(self._callbacks))
+                continue
+            callback = self._callbacks[name]
+            try:
+                callback.load_state_dict(cb_state)
+            except Exception:  # noqa: BLE001
+                if callback.critical:
+                    raise
                 logger.warning(
-                    "checkpoint holds state for callback %r, which is not in this run "
-                    "(callbacks: %s); its state is ignored",
+                    "load_state_dict of non-critical callback %r failed: it starts from its initial state",
                     name,
-                    list(self._callbacks),
+                    exc_info=True,
                 )
+
+
+def warn_absent_callbacks(saved: list[str], present: list[str]) -> None:
+    """The warning for saved callback states that no callback of this run takes."""
+    logger.warning(
+        "the checkpoint holds state for callback(s) %s, which are not in this run (callbacks: %s); "
+        "their state is ignored",
+        saved,
+        present,
+    )
 
 
 def _satisfies(trainer: Any, required: Any) -> bool:

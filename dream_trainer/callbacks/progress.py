@@ -82,8 +82,5 @@ class ProgressBar(RankZeroCallback[AbstractTrainer]):
             self._bar.close()
             self._bar = None
 
-    def post_fit(self) -> None:
-        self._close()
-
-    def on_interrupt(self) -> None:
+    def on_teardown(self, status: str) -> None:
         self._close()

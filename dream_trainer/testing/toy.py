@@ -46,6 +46,10 @@ class _Stream(IterableDataset):
 class ToyTrainer(DreamTrainer):
     """Fits a 2-layer MLP to `toy_data` with SGD; data sharded over data-parallel ranks.
     `dropout` > 0 drops inputs in training (so steps depend on the RNG state).
+    `sampler`: ``"distributed"`` (a `DistributedSampler`, shuffled with `shuffle`),
+    ``"random"`` (``DataLoader(shuffle=True)``: the order comes from the global RNG) or
+    ``"generator"`` (``DataLoader(shuffle=True, generator=g)`` with a seeded `g`); the last
+    two shard the data by slicing over data-parallel ranks.
 
     ``self.step_losses`` holds each micro-batch's loss (device tensors).
     """
@@ -63,11 +67,15 @@ class ToyTrainer(DreamTrainer):
         with_validation: bool = True,
         shuffle: bool = False,
         dropout: float = 0.0,
+        sampler: str = "distributed",
     ):
+        if sampler not in ("distributed", "random", "generator"):
+            raise ValueError(f"sampler={sampler!r} is invalid: expected 'distributed', 'random' or 'generator'")
         super().__init__(config)
         self.in_features, self.hidden, self.n_samples = in_features, hidden, n_samples
         self.batch_size, self.lr, self.iterable = batch_size, lr, iterable
         self.with_validation, self.shuffle, self.dropout = with_validation, shuffle, dropout
+        self.sampler = sampler
         self.step_losses: list[torch.Tensor] = []
 
     def configure_models(self) -> None:
@@ -108,6 +116,10 @@ class ToyTrainer(DreamTrainer):
         if self.iterable:
             shard = slice(world.dp_rank, None, world.dp_size)
             return DataLoader(_Stream(x[shard], y[shard]), batch_size=self.batch_size)
+        if self.sampler != "distributed":
+            shard = slice(world.dp_rank, None, world.dp_size)
+            generator = torch.Generator().manual_seed(self.seed or 0) if self.sampler == "generator" else None
+            return DataLoader(TensorDataset(x[shard], y[shard]), batch_size=self.batch_size, shuffle=True, generator=generator)
         dataset = TensorDataset(x, y)
         # A DistributedSampler even on one rank: the same seed gives the same global order
         # whatever the world size, so runs on 1 and N ranks see the same global batches.

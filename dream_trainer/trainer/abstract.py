@@ -5,16 +5,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from dream_trainer.callbacks.collection import CallbackCollection
 from dream_trainer.configs import TrainerConfig
 from dream_trainer.world.world import DistributedWorld
+
+if TYPE_CHECKING:
+    from dream_trainer.callbacks.collection import CallbackCollection
 
 T = TypeVar("T")
 

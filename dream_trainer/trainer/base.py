@@ -11,10 +11,10 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -25,15 +25,22 @@ from dream_trainer.callbacks.collection import CallbackCollection
 from dream_trainer.configs import TrainerConfig
 from dream_trainer.launch import RunIdentity
 from dream_trainer.trainer.metrics import MetricsMixin
-from dream_trainer.trainer.preemption import EXIT_PREEMPTED, PreemptionMixin, TrainingInterrupted
-from dream_trainer.trainer.state import StateMixin, is_stateful
+from dream_trainer.trainer.preemption import EXIT_FAILED, EXIT_PREEMPTED, PreemptionMixin, TrainingInterrupted
+from dream_trainer.trainer.data import DataMixin, set_epoch
+from dream_trainer.trainer.state import StateMixin
 from dream_trainer.utils import detach_result, seed_everything, to_device
 from dream_trainer.world.world import DistributedWorld
 
 logger = logging.getLogger(__name__)
 
 
-class BaseTrainer(MetricsMixin, StateMixin, PreemptionMixin):
+def _must_override(fn: Any) -> Any:
+    """Mark a user hook that a subclass must implement (see `required_methods`)."""
+    fn._must_override = True
+    return fn
+
+
+class BaseTrainer(MetricsMixin, DataMixin, StateMixin, PreemptionMixin):
     """The training loop. See the lifecycle in the docs (``docs/lifecycle.md``).
 
     Attributes:
@@ -50,6 +57,11 @@ class BaseTrainer(MetricsMixin, StateMixin, PreemptionMixin):
         self.training_parameters = config.training_parameters
         self.logging_parameters = config.logging_parameters
         self.world = DistributedWorld(config.device_parameters)  # a bad mesh plan fails here
+        if self.world.plan.cp > 1:
+            raise ValueError(
+                f"DeviceParameters.context_parallel={self.world.plan.cp}: context parallelism is not "
+                "applied by dream_trainer yet; use context_parallel=1"
+            )
         cbs = config.callbacks
         self.callbacks = cbs if isinstance(cbs, CallbackCollection) else CallbackCollection(cbs)
         self.is_accumulating_gradients = False
@@ -78,9 +90,18 @@ class BaseTrainer(MetricsMixin, StateMixin, PreemptionMixin):
         self._loader_restored = False
         self._resume_rng: dict[str, Any] | None = None
         self._signal: int | None = None
-        self._signal_work: Any = None
+        self._stop_request: str | None = None
+        self._disable_requests: dict[str, str] = {}
+        self._flag_work: Any = None
+        self._timeout_relaxed = False
+        self._epoch_start_state: dict[str, Any] | None = None
+        self._resume_epoch_start: dict[str, Any] | None = None
+
+    required_methods: ClassVar[tuple[str, ...]] = ("configure", "training_step")
+    """Methods a subclass must implement; checked when `fit()` starts, before anything is built."""
 
     # ================================================================== user hooks
+    @_must_override
     def configure(self) -> None:
         """Build models, optimizers, schedulers and dataloaders (set them as attributes)."""
         raise NotImplementedError(f"{type(self).__name__} must implement configure()")
@@ -94,11 +115,18 @@ class BaseTrainer(MetricsMixin, StateMixin, PreemptionMixin):
             )
         tp = self.training_parameters
         self.train_steps_per_epoch = self._agreed_length(self.train_dataloader, tp.train_steps_per_epoch, "train")
+        if self.train_steps_per_epoch == 0:
+            raise ValueError(
+                f"the training dataloader is empty (len 0 on at least one rank; dp_rank={self.world.dp_rank}, "
+                f"dp_size={self.world.dp_size}): give every data-parallel rank at least one batch"
+            )
         if self.val_dataloader is not None:
             self.val_steps_per_epoch = self._agreed_length(self.val_dataloader, tp.val_steps_per_epoch, "val")
         if not self.world.global_agreement((self.seed, self.train_steps_per_epoch)):
             raise RuntimeError("ranks disagree on the seed or the epoch length; see the configuration")
+        self._check_metric_schedulers()
 
+    @_must_override
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         """One (micro-)batch: compute the loss, ``self.backward(loss)``, ``self.step(opt)``."""
         raise NotImplementedError(f"{type(self).__name__} must implement training_step()")
@@ -111,63 +139,104 @@ class BaseTrainer(MetricsMixin, StateMixin, PreemptionMixin):
 
     # ================================================================== lifecycle
     def fit(self) -> None:
-        """Run the whole lifecycle. The world is torn down on every path."""
+        """Run the whole lifecycle. `on_teardown` runs and the world is torn down on every
+        path; a decision to stop (a signal, `StopTraining`) is agreed by every rank."""
         cb = self.callbacks
+        self._check_required_methods()
         restore_signals = self._install_signal_handlers()
         self.status = "running"
+        self._stop_request, self._disable_requests, self._flag_work = None, {}, None
+        self._timeout_relaxed = False
+        failure: BaseException | None = None  # a critical callback's error at the end
         try:
             cb.initialize(self)
             cb.pre_launch()
             self.world.launch()
             self._agree_on_run_identity()
+            self._control_point()
             if self.seed is not None:
                 seed_everything(self.seed)
             cb.pre_configure()
             self.configure()
             cb.post_configure()
+            self._control_point()
             cb.pre_setup()
             self.setup()
             cb.post_setup()
+            self._control_point()
             try:
                 cb.pre_fit()
                 self._fit_loop()
+                self._control_point()  # the last steps' requests: every rank ends alike
                 self.status = "completed"
             except StopTraining as stop:
                 self._stopped(stop)
-            self._drain_signal_check()
+            self._drain_control()
             cb.post_fit()
+            try:
+                self._control_point()  # a stop asked for in post_fit: "stopped" everywhere
+            except StopTraining as stop:
+                self._stopped(stop)
         except StopTraining as stop:
+            self._drain_control()
             self._stopped(stop)
         except TrainingInterrupted as interrupt:
             if not interrupt.at_step_boundary:
                 self.status = "failed"
-                cb.on_interrupt()
+                cb.on_interrupt(interrupt)
                 raise
             self.status, self.stop_reason = "preempted", interrupt.reason
             logger.warning("preempted at step %d (%s)", self.global_step, interrupt.reason)
-            cb.on_interrupt()  # the checkpoint callback saves here, at a step boundary
-        except BaseException:
+            failures = cb.on_interrupt(interrupt)  # the checkpoint callback saves here
+            if failures:  # e.g. the preemption save failed: never report a resumable run
+                self.status = "failed"
+                raise failures[0] from interrupt
+        except BaseException as exc:
             self.status = "failed"
-            cb.on_interrupt()
+            cb.on_interrupt(exc)
             raise
         finally:
             restore_signals()
-            self.world.teardown()
+            # No collective may outlive the run: a pending one keeps its tensors in gloo's
+            # threads and can abort the process at exit. A failed run drops it unwaited
+            # (a peer may be gone).
+            if self.status == "failed":
+                self._flag_work = None
+            else:
+                self._drain_control()
+            failures = cb.on_teardown(self.status)
+            if failures and self.status != "failed":
+                self.status, failure = "failed", failures[0]
+            # A failed rank aborts its process group, so its peers fail at once even if
+            # this process lingers (a user `except` block that keeps running).
+            self.world.teardown(abort=self.status == "failed")
+        if failure is not None:
+            raise failure
 
     @property
     def exit_code(self) -> int:
         """The process exit status this run asks for: `EXIT_PREEMPTED` (75) when
-        preempted, else 0. ``raise SystemExit(trainer.exit_code)`` in a script."""
-        return EXIT_PREEMPTED if self.status == "preempted" else 0
+        preempted, `EXIT_FAILED` (1) when failed, else 0. ``raise SystemExit(trainer.exit_code)``
+        in a script."""
+        return {"preempted": EXIT_PREEMPTED, "failed": EXIT_FAILED}.get(self.status, 0)
 
     def _stopped(self, stop: StopTraining) -> None:
         self.status, self.stop_reason = "stopped", stop.reason
         logger.info("training stopped at step %d: %s", self.global_step, stop.reason)
 
+    def _check_required_methods(self) -> None:
+        missing = [name for name in self.required_methods if getattr(getattr(type(self), name), "_must_override", False)]
+        if missing:
+            raise NotImplementedError(
+                f"{type(self).__name__} must implement {', '.join(f'{m}()' for m in missing)} "
+                f"(required: {', '.join(self.required_methods)})"
+            )
+
     def _fit_loop(self) -> None:
         tp = self.training_parameters
         if self.val_dataloader is not None and tp.num_sanity_val_steps and not self.resumed:
             self._validate(sanity=True)
+        self._control_point()  # requests from pre_fit and the sanity check
         while not self._done():
             cb = self.callbacks
             cb.pre_epoch()
@@ -176,10 +245,13 @@ class BaseTrainer(MetricsMixin, StateMixin, PreemptionMixin):
             cb.post_train_epoch(result)
             if tp.validate_at_epoch_end and self._last_val_step != self.global_step:
                 self._validate()
+            if self.val_dataloader is None:
+                self._step_metric_schedulers()
             cb.post_epoch()
             self.current_epoch += 1
             self.local_batches = 0
             self._epoch_complete = False
+            self._control_point()
 
     def _done(self) -> bool:
         tp = self.training_parameters
@@ -194,45 +266,57 @@ class BaseTrainer(MetricsMixin, StateMixin, PreemptionMixin):
         move = self.world.device.type != "cpu"
         for model in self.named_models().values():
             model.train()
-        _set_epoch(self.train_dataloader, self.current_epoch)
-        losses: list[torch.Tensor] = []
-        batch_idx = self.local_batches - 1  # > -1 when resuming mid-epoch
-        for batch_idx, (batch, is_last) in enumerate(self._epoch_batches(), self.local_batches):
-            self.local_batches = batch_idx + 1
-            self.is_accumulating_gradients = accumulating = not is_last and (batch_idx + 1) % accumulation != 0
-            self.is_last_batch = is_last or (
-                not accumulating and tp.max_steps is not None and self.global_step + 1 >= tp.max_steps
-            )
-            self._log_gate = not accumulating and (self.global_step + 1) % log_every == 0
-            if move:
-                batch = to_device(batch, self.world.device)
-            cb.pre_train_step(batch, batch_idx)
-            result = self._run_step(self.training_step, batch, batch_idx, "train_context", accumulating)
-            if not accumulating:
-                self.global_step += 1
-                if self.global_step == 1:
-                    self.world.relax_timeout()
-            cb.post_train_step(result, batch_idx)
-            loss = result.get("loss")
-            if isinstance(loss, torch.Tensor) and loss.ndim == 0:
-                losses.append(loss)
-            if self._log_gate:
-                self._log_train_step(result)
+        set_epoch(self.train_dataloader, self.current_epoch)
+        loss_sum: torch.Tensor | None = None  # a running sum on the device: no per-step list
+        n_losses = 0
+        start = batch_idx = self.local_batches - 1  # > -1 when resuming mid-epoch
+        try:
+            for batch_idx, (batch, is_last) in enumerate(self._epoch_batches(), self.local_batches):
+                self.local_batches = batch_idx + 1
+                self.is_accumulating_gradients = accumulating = not is_last and (batch_idx + 1) % accumulation != 0
+                self.is_last_batch = is_last or (
+                    not accumulating and tp.max_steps is not None and self.global_step + 1 >= tp.max_steps
+                )
+                self._log_gate = not accumulating and (self.global_step + 1) % log_every == 0
+                if move:
+                    batch = to_device(batch, self.world.device)
+                cb.pre_train_step(batch, batch_idx)
+                result = self._run_step(self.training_step, batch, batch_idx, "train_context", accumulating)
+                if not accumulating:
+                    self.global_step += 1
+                    if not self._timeout_relaxed:  # the first step of this fit(), also after a resume
+                        self._timeout_relaxed = True
+                        self.world.relax_timeout()
+                cb.post_train_step(result, batch_idx)
+                loss = result.get("loss")
+                if isinstance(loss, torch.Tensor) and loss.ndim == 0:
+                    loss_sum = loss.float() if loss_sum is None else loss_sum + loss.float()
+                    n_losses += 1
+                if self._log_gate:
+                    self._log_train_step(result)
+                self._log_gate = None
+                if not accumulating:
+                    validated = self.validation_due
+                    if validated:
+                        self._validate()
+                    self._control_point(blocking=validated)
+                    if tp.max_steps is not None and self.global_step >= tp.max_steps:
+                        break
+            else:
+                self._epoch_complete = True  # not cut short by max_steps: a resume starts the next epoch
+        finally:  # also when a step raises (StopTraining, a failure): no stale per-step flag
             self._log_gate = None
-            if not accumulating:
-                if self.validation_due:
-                    self._validate()
-                if self._signal_agreed():
-                    raise TrainingInterrupted(f"received signal {self._signal_name()}", at_step_boundary=True)
-                if tp.max_steps is not None and self.global_step >= tp.max_steps:
-                    break
-        else:
-            self._epoch_complete = True  # not cut short by max_steps: a resume starts the next epoch
-        self.is_accumulating_gradients = self.is_last_batch = False
+            self._pending_logs = {}
+            self.is_accumulating_gradients = self.is_last_batch = False
+        if batch_idx == start == -1:
+            raise ValueError(
+                f"the training dataloader yielded no batches in epoch {self.current_epoch} "
+                f"(dp_rank {self.world.dp_rank}): an empty or exhausted iterable?"
+            )
         self.last_epoch_batches = batch_idx + 1
         result: dict[str, Any] = {"batches": batch_idx + 1}
-        if losses:
-            result["loss"] = torch.stack(losses).float().mean()
+        if loss_sum is not None:
+            result["loss"] = loss_sum / n_losses
         return result
 
     @property
@@ -240,35 +324,6 @@ class BaseTrainer(MetricsMixin, StateMixin, PreemptionMixin):
         """Whether the loop validates at the end of the current optimizer step."""
         every = self.training_parameters.val_every_n_steps
         return every is not None and self.val_dataloader is not None and self.global_step % every == 0
-
-    def _epoch_batches(self) -> Iterator[tuple[Any, bool]]:
-        """``(batch, is_last)`` for the rest of the epoch. On a mid-epoch resume a stateful
-        loader continues by itself; any other loader is fast-forwarded past the batches
-        already consumed (exact when its order depends only on the epoch, e.g. a
-        `DistributedSampler`). Then the saved RNG state is restored."""
-        loader, start = self.train_dataloader, self.local_batches
-        limit = self.train_steps_per_epoch
-        iterator = iter(loader)  # type: ignore[arg-type]
-        if start and not self._loader_restored:
-            skipped = sum(1 for _ in itertools.islice(iterator, start))
-            logger.info("resuming epoch %d at batch %d: skipped %d batches", self.current_epoch, start, skipped)
-        self._loader_restored, self._data_snapshot = False, None
-        self._restore_resume_rng()
-        remaining = None if limit is None else limit - start
-        try:
-            known = len(loader) - start  # type: ignore[arg-type]
-        except TypeError:
-            known = None
-        if known is not None and (remaining is None or known >= remaining):
-            count = known if remaining is None else remaining
-            return ((batch, i + 1 == count) for i, batch in enumerate(itertools.islice(iterator, count)))
-        snapshot = self._snapshot_data if is_stateful(loader) else None
-        return _with_last(iterator, remaining, snapshot)
-
-    def _snapshot_data(self) -> None:
-        # Looking one batch ahead moves a stateful loader past the current batch; keep its
-        # position from before the lookahead for `state_dict`.
-        self._data_snapshot = self.train_dataloader.state_dict()  # type: ignore[union-attr]
 
     def _run_step(self, fn: Any, batch: Any, batch_idx: int, context_hook: str, no_sync: bool) -> dict[str, Any]:
         """Call a step function inside the world's and the callbacks' contexts."""
@@ -304,7 +359,7 @@ class BaseTrainer(MetricsMixin, StateMixin, PreemptionMixin):
             self._optimizer_models[key] = self.model_for(optimizer)
             self._optimizer_names[key] = self._optimizer_name(optimizer)
             self._optimizer_schedulers[key] = [
-                s for s in self.named_schedulers().values() if s.optimizer is optimizer
+                s for s in self.named_schedulers().values() if s.optimizer is optimizer and not _needs_metric(s)
             ]
         model = model if model is not None else self._optimizer_models[key]
         norm = None
@@ -376,6 +431,8 @@ class BaseTrainer(MetricsMixin, StateMixin, PreemptionMixin):
                 self._last_val_step = self.global_step
                 self._dispatch_log(means)
             cb.post_validation_epoch(means)
+            if not sanity:
+                self._step_metric_schedulers()
             return means
         finally:
             self.validating = self.sanity_checking = False
@@ -383,24 +440,34 @@ class BaseTrainer(MetricsMixin, StateMixin, PreemptionMixin):
                 model.train(modes[name])
 
     # ================================================================== plumbing
-    def _agreed_length(self, loader: Iterable[Any], configured: int | None, what: str) -> int | None:
-        """The epoch length every rank uses: the configured one, else the smallest
-        ``len(loader)`` over ranks, else None (iterate until the loader is exhausted)."""
-        try:
-            length: int | None = len(loader)  # type: ignore[arg-type]
-        except TypeError:
-            length = None
-        lengths = self.world.all_gather_object(length)
-        if configured is not None:
-            known = [n for n in lengths if n is not None]
-            if known and min(known) < configured:
-                logger.warning("%s_steps_per_epoch=%d but a %s loader has only %d batches", what, configured, what, min(known))
-            return configured
-        if any(n is None for n in lengths):
-            return None
-        if len(set(lengths)) > 1:
-            logger.warning("%s loaders differ in length across ranks %s; every rank uses %d", what, lengths, min(lengths))
-        return min(lengths)  # type: ignore[type-var]
+    def _metric_schedulers(self) -> dict[str, Any]:
+        return {name: s for name, s in self.named_schedulers().items() if _needs_metric(s)}
+
+    def _check_metric_schedulers(self) -> None:
+        """Schedulers stepped with a metric (``ReduceLROnPlateau``) need
+        `TrainingParameters.scheduler_monitor`: checked at setup, not at the first step."""
+        schedulers = self._metric_schedulers()
+        if schedulers and getattr(self.training_parameters, "scheduler_monitor", None) is None:
+            raise ValueError(
+                f"scheduler(s) {sorted(schedulers)} ({type(next(iter(schedulers.values()))).__name__}) step on a "
+                "metric: set TrainingParameters(scheduler_monitor=...) to a logged metric, e.g. 'val/loss'"
+            )
+
+    def _step_metric_schedulers(self) -> None:
+        """Step metric schedulers with the monitored metric (after each validation run, or
+        at each epoch's end without validation data). Every rank reads the same value:
+        logged metrics are reduced over ranks."""
+        schedulers = self._metric_schedulers()
+        if not schedulers:
+            return
+        monitor = self.training_parameters.scheduler_monitor
+        if monitor not in self.logged_metrics:
+            raise KeyError(
+                f"TrainingParameters.scheduler_monitor={monitor!r} has not been logged by step {self.global_step}; "
+                f"logged metrics: {sorted(self.logged_metrics)}"
+            )
+        for scheduler in schedulers.values():
+            scheduler.step(self.logged_metrics[monitor])
 
     def _agree_on_run_identity(self) -> None:
         """Every rank takes rank 0's run name, directory and seed. Run name: the config's,
@@ -416,29 +483,5 @@ class BaseTrainer(MetricsMixin, StateMixin, PreemptionMixin):
             self.run_dir.mkdir(parents=True, exist_ok=True)
 
 
-def _with_last(loader: Iterable[Any], limit: int | None, before_fetch: Any = None) -> Iterator[tuple[Any, bool]]:
-    """Yield ``(batch, is_last)`` for at most `limit` batches. Looks one batch ahead, so
-    the final micro-batch of an epoch steps the optimizer even when the loader is shorter
-    than expected or has no length. `before_fetch` (if given) runs before each lookahead."""
-    iterator = iter(itertools.islice(loader, limit))
-    try:
-        current = next(iterator)
-    except StopIteration:
-        return
-    while True:
-        if before_fetch is not None:
-            before_fetch()
-        try:
-            upcoming = next(iterator)
-        except StopIteration:
-            break
-        yield current, False
-        current = upcoming
-    yield current, True
-
-
-def _set_epoch(loader: Any, epoch: int) -> None:
-    for obj in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None), loader):
-        if hasattr(obj, "set_epoch"):
-            obj.set_epoch(epoch)
-            return
+def _needs_metric(scheduler: Any) -> bool:
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)

@@ -25,14 +25,17 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from dream_trainer.trainer.base import BaseTrainer
+from dream_trainer.trainer.base import BaseTrainer, _must_override
 from dream_trainer.utils import seed_everything
 
 
 class DreamTrainer(BaseTrainer):
     """A trainer that builds models on the meta device and parallelizes them from config."""
 
+    required_methods = ("configure_models", "configure_optimizers", "configure_dataloaders", "training_step")
+
     # ================================================================== user hooks
+    @_must_override
     def configure_models(self) -> None:
         """Create the models as attributes (``self.model = GPT(cfg)``). Runs under
         ``torch.device("meta")``: allocate nothing, initialize nothing here."""
@@ -50,6 +53,7 @@ class DreamTrainer(BaseTrainer):
                 if callable(getattr(module, "reset_parameters", None)):
                     module.reset_parameters()
 
+    @_must_override
     def configure_optimizers(self) -> None:
         """Create the optimizers as attributes (models are materialized by now)."""
         raise NotImplementedError(f"{type(self).__name__} must implement configure_optimizers()")
@@ -57,6 +61,7 @@ class DreamTrainer(BaseTrainer):
     def configure_schedulers(self) -> None:
         """Create learning-rate schedulers as attributes (optional)."""
 
+    @_must_override
     def configure_dataloaders(self) -> tuple[Iterable[Any], Iterable[Any] | None] | None:
         """Return ``(train_dataloader, val_dataloader_or_None)``, or set the attributes.
         Shard the data with ``self.world.dp_rank`` / ``self.world.dp_size``."""
@@ -75,12 +80,21 @@ class DreamTrainer(BaseTrainer):
         """``fully_shard(block, **fsdp_config)`` per block, then on each model root."""
 
     def apply_replicate(self, dp_mesh: DeviceMesh) -> None:
-        """Data parallelism by replication. Default: FSDP2-style ``replicate`` on each model
-        root (gradients all-reduced in buckets during backward)."""
-        from torch.distributed._composable.replicate_with_fsdp import replicate
+        """Data parallelism by replication, on each model root: gradients all-reduced in
+        buckets during backward. Plain parameters use DDP's reducer (composable
+        ``replicate``: the module keeps its class and names); a model whose parameters are
+        DTensors (tensor parallel) uses FSDP2-style ``replicate`` over `dp_mesh`."""
+        from torch.distributed.tensor import DTensor
 
         for model in self.named_models().values():
-            replicate(model, mesh=dp_mesh)
+            if any(isinstance(p, DTensor) for p in model.parameters()):
+                from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_dtensors
+
+                replicate_dtensors(model, mesh=dp_mesh)
+            else:
+                from torch.distributed._composable.replicate import replicate
+
+                replicate(model, process_group=dp_mesh.get_group())
 
     # ================================================================== pipeline
     def _require(self, hook: str, because: str) -> None:

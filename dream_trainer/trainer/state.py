@@ -6,49 +6,25 @@ A mixin of `BaseTrainer` (no ``__init__``; its attributes are set there). What i
   epoch had finished, the step of the last validation);
 - ``models`` / ``optimizers``: DCP state-dict helpers, so FSDP2/TP shards are DTensors and
   load into any layout;
-- ``schedulers`` and ``callbacks`` (by name);
-- ``ranks.rank<N>``: the RNG states (python, numpy, torch, CUDA) and the dataloader position
-  of this rank, under a per-rank key so every rank writes and reads its own.
+- ``schedulers`` and ``callbacks`` (by name; ``callbacks`` holds one copy for all ranks,
+  the fallback of a rank that the checkpoint has no entry for);
+- ``ranks.rank<N>``: this rank's own RNG states, data position (see
+  `dream_trainer.trainer.data`) and callback states (a callback's state may differ per
+  rank; a state holding DTensors is restored from the shared copy), under a per-rank key
+  so every rank writes and reads its own.
 """
 
 from __future__ import annotations
 
 import logging
-import random
+import pickle
 from typing import Any
 
-import numpy as np
-import torch
-
+from dream_trainer.callbacks.collection import warn_absent_callbacks
 from dream_trainer.trainer.abstract import AbstractTrainer
+from dream_trainer.utils import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
-
-
-def rng_state() -> dict[str, Any]:
-    """Every RNG state of this process (python, numpy, torch CPU and CUDA)."""
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what `rng_state` returned."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def is_stateful(loader: Any) -> bool:
-    """Whether a dataloader saves its own position (torchdata's ``StatefulDataLoader``)."""
-    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
 
 class StateMixin(AbstractTrainer):
@@ -57,8 +33,6 @@ class StateMixin(AbstractTrainer):
     resumed: bool
     _epoch_complete: bool
     _last_val_step: int | None
-    _data_snapshot: Any
-    _loader_restored: bool
     _resume_rng: dict[str, Any] | None
 
     @property
@@ -75,10 +49,8 @@ class StateMixin(AbstractTrainer):
         for name, opt in self.named_optimizers().items():
             model = self.model_for(opt)
             optimizers[name] = get_optimizer_state_dict(model, opt) if model is not None else opt.state_dict()
-        loader = self.train_dataloader
-        data = None
-        if is_stateful(loader):
-            data = self._data_snapshot if self._data_snapshot is not None else loader.state_dict()  # type: ignore[union-attr]
+        callbacks = self.callbacks.state_dict()
+        own = {name: state for name, state in callbacks.items() if not _holds_dtensor(state)}
         return {
             "trainer": {
                 "global_step": self.global_step,
@@ -86,18 +58,27 @@ class StateMixin(AbstractTrainer):
                 "local_batches": self.local_batches,
                 "epoch_complete": self._epoch_complete,
                 "last_val_step": -1 if self._last_val_step is None else self._last_val_step,
+                "callbacks": pickle.dumps(sorted(callbacks)),  # whose state is saved (see load)
             },
             "models": {name: get_model_state_dict(m) for name, m in self.named_models().items()},
             "optimizers": optimizers,
             "schedulers": {name: s.state_dict() for name, s in self.named_schedulers().items()},
-            "callbacks": self.callbacks.state_dict(),
-            "ranks": {self.rank_key: {"rng": rng_state(), "data": data}},
+            "callbacks": callbacks,
+            # Opaque (pickled) per-rank entries: their structure may differ between the
+            # saving run and the template of the resuming one.
+            "ranks": {
+                self.rank_key: {
+                    "rng": rng_state(),
+                    "data": pickle.dumps(self._data_position()),  # type: ignore[attr-defined]  (DataMixin)
+                    "callbacks": pickle.dumps(own),
+                }
+            },
         }
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Restore what `state_dict` returned. A missing ``ranks`` entry for this rank (a
-        checkpoint written by fewer ranks) keeps the seeded RNG and replays the data
-        position by skipping batches, with a warning."""
+        checkpoint written by fewer ranks) keeps the seeded RNG, replays the data position
+        by skipping batches and restores the callbacks from the shared copy, with a warning."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -115,7 +96,6 @@ class StateMixin(AbstractTrainer):
                 opt.load_state_dict(state["optimizers"][name])
         for name, scheduler in self.named_schedulers().items():
             scheduler.load_state_dict(state["schedulers"][name])
-        self.callbacks.load_state_dict(state.get("callbacks", {}))
 
         counters = state["trainer"]
         self.global_step = int(counters["global_step"])
@@ -129,18 +109,29 @@ class StateMixin(AbstractTrainer):
         self.resumed = self.global_step > 0 or self.current_epoch > 0
 
         mine = state.get("ranks", {}).get(self.rank_key)
+        callbacks = dict(state.get("callbacks", {}))
+        if mine is not None:
+            callbacks.update(pickle.loads(mine["callbacks"]))
+        # Warned here, once: the shared copy of a callback absent from this run is not in the
+        # resuming template, so DCP never loads it.
+        saved = pickle.loads(counters["callbacks"]) if "callbacks" in counters else list(callbacks)
+        absent = [name for name in saved if name not in self.callbacks]
+        if absent:
+            warn_absent_callbacks(absent, self.callbacks.names())
+        callbacks = {name: value for name, value in callbacks.items() if name in self.callbacks}
         if mine is None:
+            self.callbacks.load_state_dict(callbacks)
             logger.warning(
-                "the checkpoint has no RNG state or data position for %s (written by fewer ranks?): "
-                "continuing from the seeded RNG and skipping %d batches of epoch %d",
+                "the checkpoint has no RNG state, data position or own callback state for %s (written by fewer "
+                "ranks?): continuing from the seeded RNG, skipping %d batches of epoch %d, callbacks restored "
+                "from the shared copy",
                 self.rank_key,
                 self.local_batches,
                 self.current_epoch,
             )
             return
-        if mine.get("data") is not None and is_stateful(self.train_dataloader):
-            self.train_dataloader.load_state_dict(mine["data"])  # type: ignore[union-attr]
-            self._loader_restored = True
+        self.callbacks.load_state_dict(callbacks)
+        self._restore_data_position(pickle.loads(mine["data"]))  # type: ignore[attr-defined]
         if self.local_batches:
             # Mid-epoch: the epoch's iterator is created again on resume (which may draw from
             # the RNG), so the RNG is restored after that, where the saved run stood.
@@ -148,7 +139,9 @@ class StateMixin(AbstractTrainer):
         else:
             set_rng_state(mine["rng"])
 
-    def _restore_resume_rng(self) -> None:
-        if self._resume_rng is not None:
-            set_rng_state(self._resume_rng)
-            self._resume_rng = None
+
+def _holds_dtensor(state: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_leaves
+
+    return any(isinstance(leaf, DTensor) for leaf in tree_leaves(state))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -20,6 +21,45 @@ logger = logging.getLogger(__name__)
 
 ReduceOp = Literal["sum", "mean", "max", "min"]
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _socket_inodes() -> dict[str, int]:
+    """``{socket inode: fd}`` of this process's open sockets (Linux ``/proc``; else empty)."""
+    fds = "/proc/self/fd"
+    if not os.path.isdir(fds):
+        return {}
+    found = {}
+    for fd in os.listdir(fds):
+        try:
+            link = os.readlink(f"{fds}/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            found[link] = int(fd)
+    return found
+
+
+def _shutdown_sockets(inodes: set[str]) -> int:
+    """Shut down (without closing: their owners still hold the descriptors) the connected
+    TCP sockets among `inodes` that are still open; the peer sees the connection closed."""
+    released = 0
+    for inode, fd in _socket_inodes().items():
+        if inode not in inodes:
+            continue
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            if sock.type == socket.SOCK_STREAM:
+                sock.getpeername()  # connected only: a listener's shutdown would kill its thread
+                sock.shutdown(socket.SHUT_RDWR)
+                released += 1
+        except OSError:
+            pass
+        finally:
+            sock.detach()  # the descriptor stays with its owner
+    return released
 
 
 def _env_int(name: str, default: int) -> int:
@@ -52,6 +92,9 @@ class DistributedWorld:
         self.mesh: DeviceMesh | None = None
         self._owns_process_group = False
         self._launched = False
+        self._groups: list[Any] = []
+        self._sockets: set[str] = set()  # socket inodes of this world's process groups
+        self._timeout = timedelta(seconds=self.device_parameters.init_timeout_s)
 
     # ------------------------------------------------------------------ launch
     def _resolve_device(self) -> torch.device:
@@ -80,12 +123,14 @@ class DistributedWorld:
         return chosen
 
     def launch(self) -> None:
-        """Create (or join) the process group and build the device mesh."""
+        """Create (or join) the process group and build the device mesh. Every group is
+        given `init_timeout_s` (device-mesh subgroups otherwise keep torch's 30 minutes)."""
         if self._launched:
             return
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         timeout = timedelta(seconds=self.device_parameters.init_timeout_s)
+        before = _socket_inodes()
         if not dist.is_initialized():
             if self.world_size == 1 and "MASTER_ADDR" not in os.environ:
                 # One rank, no launcher: an in-memory store, no ports.
@@ -103,26 +148,73 @@ class DistributedWorld:
         self._launched = True
         try:
             self.mesh = init_device_mesh(self.device.type, self.plan.shape, mesh_dim_names=MESH_DIMS)
+            self._groups = [dist.group.WORLD, *self.mesh.get_all_groups()]
             if self.plan.dp_replicate * self.plan.dp_shard > 1 and min(self.plan.dp_replicate, self.plan.dp_shard) > 1:
-                self.mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+                self._groups.append(self.mesh[("dp_replicate", "dp_shard")]._flatten("dp").get_group())
+            self._set_timeout(timeout)
         except BaseException:
-            self.teardown()
+            self.teardown(abort=True)
             raise
+        finally:
+            if self._owns_process_group:  # this process's connections to its peers
+                self._sockets |= _socket_inodes().keys() - before.keys()
+
+    def new_group(self, **kwargs: Any) -> Any:
+        """``torch.distributed.new_group(**kwargs)`` (every rank must call it), owned by the
+        world: it gets the world's current timeout and is released by `teardown`."""
+        before = _socket_inodes()
+        group = dist.new_group(**kwargs)
+        if self._owns_process_group:
+            self._sockets |= _socket_inodes().keys() - before.keys()
+        if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+            self._groups.append(group)
+            group.set_timeout(self._timeout)
+        return group
+
+    def _set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout
+        seen: set[int] = set()
+        for group in self._groups:
+            if group is not None and id(group) not in seen:
+                seen.add(id(group))
+                group.set_timeout(timeout)
 
     def relax_timeout(self) -> None:
-        """Switch the process group from the long init timeout to `timeout_s` (called by
-        the trainer after the first optimizer step, once compilation and warm-up are done)."""
+        """Switch every group of the world from the long init timeout to `timeout_s`
+        (called by the trainer after the first optimizer step of a `fit()`, once
+        compilation and warm-up are done — also after a resume). A barrier first: no rank
+        tightens its timeout while another is still in its first step."""
         if self._launched and dist.is_initialized():
-            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=self.device_parameters.timeout_s))
+            self.barrier()  # once per fit(): the only host wait it adds
+            self._set_timeout(timedelta(seconds=self.device_parameters.timeout_s))
 
-    def teardown(self) -> None:
-        """Destroy the process group if this world created it. Safe to call twice."""
+    @property
+    def timeout(self) -> timedelta:
+        """The timeout the world's process groups use now."""
+        return self._timeout
+
+    def teardown(self, abort: bool = False) -> None:
+        """Destroy the process group if this world created it. Safe to call twice.
+
+        With `abort` (a failed run), the peers are released at once: NCCL communicators
+        are aborted, and on Linux this process's connections to its peers are shut down,
+        so a peer waiting in a collective fails within a second, even if this process
+        lingers and still references the groups (otherwise it would wait for the
+        process-group timeout or this process's exit)."""
         self.mesh = None
+        self._groups = []
         if self._owns_process_group and dist.is_initialized():
             try:
-                dist.destroy_process_group()
+                if abort and "nccl" in self.backend:
+                    dist.distributed_c10d._abort_process_group()  # NCCL only: unblocks the GPU streams
+                else:
+                    dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - teardown must not mask the original error
                 logger.exception("destroying the process group failed")
+        if abort and self._sockets:
+            released = _shutdown_sockets(self._sockets)
+            logger.info("released %d connection(s) to peer ranks", released)
+        self._sockets = set()
         self._owns_process_group = False
         self._launched = False
 

@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> GPTTrainer:
 
 
 if __name__ == "__main__":
-    trainer = entrypoint(main)
     # 75 when preempted (SIGTERM/Ctrl-C: checkpointed at a step boundary), so a scheduler
-    # or torchrun --max-restarts can tell it from a crash and restart to resume.
-    raise SystemExit(trainer.exit_code if trainer is not None else 0)
+    # or torchrun --max-restarts can tell it from a crash and restart to resume; with
+    # --nproc N the launcher exits with the ranks' status too.
+    raise SystemExit(entrypoint(main).exit_code)

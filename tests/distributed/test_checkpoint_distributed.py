@@ -74,10 +74,12 @@ def test_fsdp2_exact_resume_and_preemption_on_two_ranks(tmp_path):
     for rank in range(2):
         assert second[rank]["resumed_from"].endswith("step_000000007")
         assert first[rank]["losses"] + second[rank]["losses"] == full[rank]["losses"]  # bitwise
-    # SIGTERM reaches rank 1 only (before step 10): both ranks agree to stop one step later
+    # SIGTERM reaches rank 1 only (before step 10). Step 10 validates (val_every_n_steps=5),
+    # and the check after a validation run is blocking (the run already synchronized): both
+    # ranks stop at step 10. (Between plain steps the check is non-blocking, one step late.)
     stopped = spawn_world(2, _fsdp, str(tmp_path / "sig"), None, (9, 1))
     assert [r["status"] for r in stopped] == ["preempted", "preempted"]
-    assert stopped[0]["step"] == stopped[1]["step"] == 11 and stopped[0]["saved"][-1] == "step_000000011"
+    assert stopped[0]["step"] == stopped[1]["step"] == 10 and stopped[0]["saved"][-1] == "step_000000010"
     resumed = spawn_world(2, _fsdp, str(tmp_path / "sig"))
     for rank in range(2):
         assert stopped[rank]["losses"] + resumed[rank]["losses"] == full[rank]["losses"]

@@ -1,4 +1,4 @@
-"""Two gloo ranks: DDP (FSDP2-style replicate) keeps ranks identical and matches one process
+"""Two gloo ranks: DDP (composable `replicate`, DDP's reducer) keeps ranks identical and matches one process
 on the concatenated batch; the world agrees on the run identity and tears down."""
 
 import torch
@@ -44,7 +44,7 @@ def _ddp_runs():
     for accumulation in (1, 2):
         trainer, result = _train(16 // (2 * accumulation), accumulation, DeviceParameters.DDP())
         assert dist.is_initialized(), "the world destroyed a process group it does not own"
-        grads_synced = type(trainer.model).__name__.startswith("Replicate")
+        grads_synced = type(trainer.model).__name__.startswith("DDP")  # composable replicate
         out[accumulation] = {**result, "replicated": grads_synced}
     return out
 

@@ -194,7 +194,7 @@ def test_background_save_error_surfaces_on_the_next_step(monkeypatch):
             if self.trainer.global_step == 4:
                 time.sleep(0.5)  # the background save fails meanwhile
 
-        def on_interrupt(self):
+        def on_interrupt(self, error):
             seen.append(self.trainer.global_step)
 
     with pytest.raises(CheckpointError, match="(?s)background checkpoint save to .*step_000000004 failed: rank 0: OSError: disk full"):

@@ -56,7 +56,7 @@ def test_sigterm_stops_at_the_step_boundary_and_a_second_signal_aborts():
                 for _ in range(self.times):  # a second signal before the boundary aborts at once
                     os.kill(os.getpid(), signal.SIGTERM)
 
-        def on_interrupt(self):
+        def on_interrupt(self, error):
             seen.append((self.trainer.global_step, self.trainer.status))
 
     previous = signal.getsignal(signal.SIGTERM)

@@ -79,7 +79,7 @@ def test_hook_order_two_epochs_accumulation_and_validation():
         + micro() + opt_step(log=True) + validation(2)
         + micro() + opt_step()
         + micro() + opt_step(log=True) + validation(2)
-        + ["post_train_epoch", "post_epoch", "post_fit"]
+        + ["post_train_epoch", "post_epoch", "post_fit", "on_teardown"]
     )
     assert rec.hooks == expected
     counts = rec.counts()
@@ -190,7 +190,7 @@ class Interrupted(Callback):
         self.interrupted = False
         self.post_fit_ran = False
 
-    def on_interrupt(self):
+    def on_interrupt(self, error):
         self.interrupted = True
         assert dist.is_initialized()  # the world is still up while callbacks react
 

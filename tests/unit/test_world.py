@@ -36,3 +36,45 @@ def test_gradient_norm_and_clipping_match_torch_on_mixed_dtypes():
     assert torch.allclose(after, torch.tensor(1.0, dtype=torch.float64), atol=1e-5)
     for p, g in zip(params, reference):  # same direction
         assert torch.allclose(p.grad.double() * (expected / after), g.double(), rtol=1e-4)
+
+
+def _timeouts(world):
+    """The timeout of every group of the world's mesh (and the default group), in seconds."""
+    groups = [dist.group.WORLD, *world.mesh.get_all_groups()]
+    return {g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups}
+
+
+def test_every_mesh_group_gets_the_init_timeout_then_the_tight_one():
+    world = DistributedWorld(DeviceParameters.SINGLE_DEVICE(init_timeout_s=77, timeout_s=11))
+    world.launch()
+    try:
+        assert _timeouts(world) == {77.0}  # torch gives mesh subgroups 30 minutes by default
+        group = world.new_group(backend="gloo")
+        assert group._get_backend(torch.device("cpu")).options._timeout.total_seconds() == 77.0
+        world.relax_timeout()
+        assert _timeouts(world) == {11.0} and world.timeout.total_seconds() == 11.0
+        assert group._get_backend(torch.device("cpu")).options._timeout.total_seconds() == 11.0
+    finally:
+        world.teardown()
+
+
+def test_the_first_step_of_every_fit_relaxes_the_timeout_also_after_a_resume():
+    from dream_trainer import Callback, CheckpointCallback, CheckpointParameters, TrainerConfig, TrainingParameters
+    from dream_trainer.testing import ToyTrainer
+
+    seen = []
+
+    class Timeouts(Callback):
+        def pre_train_step(self, batch, batch_idx):
+            seen.append((self.trainer.global_step, _timeouts(self.trainer.world)))
+
+    def fit(max_steps):
+        params = DeviceParameters.SINGLE_DEVICE(init_timeout_s=77, timeout_s=11)
+        saver = CheckpointCallback(CheckpointParameters(root_dir="ckpt", every_n_steps=2))
+        config = TrainerConfig(run_name="r", device_parameters=params, callbacks=[Timeouts(), saver],
+                               training_parameters=TrainingParameters(max_steps=max_steps, n_epochs=None, num_sanity_val_steps=0))
+        ToyTrainer(config).fit()
+
+    fit(2)
+    fit(4)  # resumes at step 2: its first step is global step 3
+    assert seen == [(0, {77.0}), (1, {11.0}), (2, {77.0}), (3, {11.0})]

@@ -20,8 +20,9 @@ class LoggerCallback(RankZeroCallback[AbstractTrainer]):
     - ``<run_dir>/<subdir>/metrics.jsonl``: one JSON object per `on_log` call,
       ``{"step": ..., "time": ..., "<name>": value, ...}`` (non-finite values as strings).
 
-    Files are flushed at the end of every epoch and validation, and closed when the run
-    ends or is interrupted. Not critical: a failing disk never stops training.
+    Files are flushed at the end of every epoch and validation, and closed in `on_teardown`
+    (every path: finished, stopped, preempted or failed). Not critical: a failing disk never
+    stops training.
     """
 
     critical = False
@@ -82,8 +83,5 @@ class LoggerCallback(RankZeroCallback[AbstractTrainer]):
             self._file.close()
             self._file = None
 
-    def post_fit(self) -> None:
-        self.close()
-
-    def on_interrupt(self) -> None:
+    def on_teardown(self, status: str) -> None:
         self.close()

@@ -1,0 +1,185 @@
+"""`DataMixin`: the epoch's batches, their agreed count, and the data position a resume
+continues from. A mixin of `BaseTrainer` (no ``__init__``; its attributes are set there).
+
+The data position of a rank (saved under ``ranks.rank<N>.data``):
+
+- a stateful loader (torchdata's ``StatefulDataLoader``, anything with ``state_dict``)
+  saves and restores its own position;
+- any other loader is re-created and fast-forwarded past the batches already consumed.
+  Its order comes from the RNG states when its iterator is created — a shuffling
+  sampler's ``generator`` (``DataLoader(shuffle=True, generator=g)``) or, without one, the
+  global RNGs — so those states are recorded at the start of every epoch and restored
+  before the iterator is re-created: a resume mid-epoch, or in any later epoch, sees the
+  same order as an uninterrupted run. The generators' current states are saved too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from dream_trainer.trainer.abstract import AbstractTrainer
+from dream_trainer.utils import rng_state, set_rng_state
+
+logger = logging.getLogger(__name__)
+
+
+def is_stateful(loader: Any) -> bool:
+    """Whether a dataloader saves its own position (torchdata's ``StatefulDataLoader``)."""
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+def loader_generators(loader: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects a loader draws its order from: its own, its
+    sampler's and its batch sampler's sampler's (each once)."""
+    found: dict[int, torch.Generator] = {}
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for obj in (loader, sampler, batch_sampler, getattr(batch_sampler, "sampler", None)):
+        generator = getattr(obj, "generator", None)
+        if isinstance(generator, torch.Generator):
+            found.setdefault(id(generator), generator)
+    return list(found.values())
+
+
+class DataMixin(AbstractTrainer):
+    """Iterating the training data, and where a resume continues it."""
+
+    train_steps_per_epoch: int | None
+    _epoch_complete: bool
+    _data_snapshot: Any
+    _loader_restored: bool
+    _resume_rng: dict[str, Any] | None
+    _epoch_start_state: dict[str, Any] | None
+    _resume_epoch_start: dict[str, Any] | None
+
+    # ------------------------------------------------------------------ iterating
+    def _epoch_batches(self) -> Iterator[tuple[Any, bool]]:
+        """``(batch, is_last)`` for the rest of the epoch. On a mid-epoch resume a stateful
+        loader continues by itself; any other loader is re-created from the epoch's saved
+        RNG states and fast-forwarded past the batches already consumed. Then the RNG state
+        saved with the step is restored."""
+        loader, start = self.train_dataloader, self.local_batches
+        limit = self.train_steps_per_epoch
+        if not is_stateful(loader):
+            if self._resume_epoch_start is not None:
+                self._set_epoch_start_state(self._resume_epoch_start)
+                self._resume_epoch_start = None
+            self._epoch_start_state = self._get_epoch_start_state()
+        iterator = iter(loader)  # type: ignore[arg-type]
+        if start and not self._loader_restored:
+            skipped = sum(1 for _ in itertools.islice(iterator, start))
+            logger.info("resuming epoch %d at batch %d: skipped %d batches", self.current_epoch, start, skipped)
+        self._loader_restored, self._data_snapshot = False, None
+        if self._resume_rng is not None:
+            set_rng_state(self._resume_rng)
+            self._resume_rng = None
+        remaining = None if limit is None else limit - start
+        try:
+            known = len(loader) - start  # type: ignore[arg-type]
+        except TypeError:
+            known = None
+        if known is not None and (remaining is None or known >= remaining):
+            count = known if remaining is None else remaining
+            return ((batch, i + 1 == count) for i, batch in enumerate(itertools.islice(iterator, count)))
+        snapshot = self._snapshot_data if is_stateful(loader) else None
+        return _with_last(iterator, remaining, snapshot)
+
+    def _snapshot_data(self) -> None:
+        # Looking one batch ahead moves a stateful loader past the current batch; keep its
+        # position from before the lookahead for `state_dict`.
+        self._data_snapshot = self.train_dataloader.state_dict()  # type: ignore[union-attr]
+
+    def _agreed_length(self, loader: Iterable[Any], configured: int | None, what: str) -> int | None:
+        """The epoch length every rank uses: the configured one, else the smallest
+        ``len(loader)`` over ranks, else None (iterate until the loader is exhausted)."""
+        try:
+            length: int | None = len(loader)  # type: ignore[arg-type]
+        except TypeError:
+            length = None
+        lengths = self.world.all_gather_object(length)
+        if configured is not None:
+            known = [n for n in lengths if n is not None]
+            if known and min(known) < configured:
+                logger.warning("%s_steps_per_epoch=%d but a %s loader has only %d batches", what, configured, what, min(known))
+            return configured
+        if any(n is None for n in lengths):
+            return None
+        if len(set(lengths)) > 1:
+            logger.warning("%s loaders differ in length across ranks %s; every rank uses %d", what, lengths, min(lengths))
+        return min(lengths)  # type: ignore[type-var]
+
+    # ------------------------------------------------------------------ position
+    def _get_epoch_start_state(self) -> dict[str, Any]:
+        return {"rng": rng_state(), "generators": [g.get_state() for g in loader_generators(self.train_dataloader)]}
+
+    def _set_epoch_start_state(self, state: dict[str, Any]) -> None:
+        set_rng_state(state["rng"])
+        self._set_generator_states(state["generators"])
+
+    def _set_generator_states(self, states: list[torch.Tensor]) -> None:
+        generators = loader_generators(self.train_dataloader)
+        if len(generators) != len(states):
+            logger.warning(
+                "the checkpoint has %d dataloader generator state(s), this loader has %d generator(s): "
+                "the data order after the resume may differ from the saved run",
+                len(states),
+                len(generators),
+            )
+            return
+        for generator, state in zip(generators, states):
+            generator.set_state(state)
+
+    def _data_position(self) -> dict[str, Any]:
+        """This rank's data position (see the module docstring)."""
+        loader = self.train_dataloader
+        if is_stateful(loader):
+            return {"loader": self._data_snapshot if self._data_snapshot is not None else loader.state_dict()}  # type: ignore[union-attr]
+        mid_epoch = self.local_batches > 0 and not self._epoch_complete
+        return {
+            "epoch_start": self._epoch_start_state if mid_epoch else None,
+            "generators": [g.get_state() for g in loader_generators(loader)],
+        }
+
+    def _restore_data_position(self, position: dict[str, Any]) -> None:
+        loader = self.train_dataloader
+        if position.get("loader") is not None and is_stateful(loader):
+            loader.load_state_dict(position["loader"])  # type: ignore[union-attr]
+            self._loader_restored = True
+        elif position.get("epoch_start") is not None and self.local_batches:
+            self._resume_epoch_start = position["epoch_start"]  # applied when the epoch's iterator is made
+        elif "generators" in position:
+            self._set_generator_states(position["generators"])
+
+
+def _with_last(loader: Iterable[Any], limit: int | None, before_fetch: Any = None) -> Iterator[tuple[Any, bool]]:
+    """Yield ``(batch, is_last)`` for at most `limit` batches. Looks one batch ahead, so
+    the final micro-batch of an epoch steps the optimizer even when the loader is shorter
+    than expected or has no length. `before_fetch` (if given) runs before each lookahead."""
+    iterator = iter(itertools.islice(loader, limit))
+    try:
+        current = next(iterator)
+    except StopIteration:
+        return
+    while True:
+        if before_fetch is not None:
+            before_fetch()
+        try:
+            upcoming = next(iterator)
+        except StopIteration:
+            break
+        yield current, False
+        current = upcoming
+    yield current, True
+
+
+def set_epoch(loader: Any, epoch: int) -> None:
+    """Call ``set_epoch(epoch)`` on the loader's sampler, batch sampler or the loader."""
+    for obj in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None), loader):
+        if hasattr(obj, "set_epoch"):
+            obj.set_epoch(epoch)
+            return

@@ -1,0 +1,93 @@
+"""The self-spawning launcher (``entrypoint`` with ``--nproc 2``) as a user runs it: a
+SIGTERM to the launcher preempts both ranks, which checkpoint and exit 75 — and so does the
+launcher, without killing the slower rank while it is still finishing; a failed rank makes
+the launcher exit with its status, promptly."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from dream_trainer import (Callback, CheckpointCallback, CheckpointParameters, DeviceParameters,
+                               TrainerConfig, TrainingParameters, entrypoint)
+    from dream_trainer.testing import ToyTrainer
+
+    ROOT = Path(sys.argv[1])
+    MODE = sys.argv[2]
+
+    class Script(Callback):
+        def post_train_step(self, result, batch_idx):
+            rank, step = self.trainer.world.rank, self.trainer.global_step
+            if rank == 0 and step == 2:
+                (ROOT / "started").write_text("")
+            if MODE == "fail" and rank == 1 and step == 3:
+                raise RuntimeError("rank 1 broke")
+            time.sleep(0.05)  # slow enough for the test to signal mid-run
+
+        def on_teardown(self, status):
+            if self.trainer.world.rank == 0:  # rank 1 exits 75 first; rank 0 must not be killed
+                time.sleep(2.0)
+                (ROOT / f"rank0_{status}").write_text("")
+
+    def main():
+        saver = CheckpointCallback(CheckpointParameters(root_dir=str(ROOT / "ckpt"), every_n_epochs=None,
+                                                        at_fit_end=False))
+        config = TrainerConfig(root_dir=str(ROOT / "runs"), run_name="r", device_parameters=DeviceParameters.DDP(),
+                               training_parameters=TrainingParameters(n_epochs=50, num_sanity_val_steps=0),
+                               callbacks=[Script(), saver])
+        trainer = ToyTrainer(config, batch_size=8)
+        trainer.fit()
+        return trainer
+
+    if __name__ == "__main__":
+        raise SystemExit(entrypoint(main).exit_code)
+    """
+)
+
+
+def _launch(tmp_path, mode):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, str(script), str(tmp_path), mode, "--nproc", "2"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _finish(proc, timeout):
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher (ranks die with it)
+            proc.communicate()
+
+
+def test_sigterm_to_the_launcher_preempts_every_rank_and_exits_75(tmp_path):
+    proc = _launch(tmp_path, "preempt")
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "started").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, _finish(proc, 10)[-3000:]
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)  # the launcher only: it forwards to the ranks
+    out = _finish(proc, 120)
+    assert proc.returncode == 75, out[-3000:]
+    assert (tmp_path / "rank0_preempted").exists(), out[-3000:]  # not killed while rank 1 had exited
+    checkpoints = [p.name for p in (tmp_path / "ckpt").iterdir()]
+    assert len(checkpoints) == 1 and checkpoints[0].startswith("step_"), checkpoints
+    assert out.count("preempted at step") == 2, out[-3000:]
+
+
+def test_a_failed_rank_fails_the_launcher_promptly(tmp_path):
+    start = time.monotonic()
+    proc = _launch(tmp_path, "fail")
+    out = _finish(proc, 120)
+    assert proc.returncode == 1, out[-3000:]
+    assert "rank 1 broke" in out and "rank 1 exited with status 1" in out, out[-3000:]
+    assert (tmp_path / "rank0_failed").exists()  # rank 0 failed by itself (released), then ended
+    assert time.monotonic() - start < 60
