@@ -8,6 +8,8 @@ optimizer step), so tokens/s compare directly:
     single 2thr   1 rank  x 2 torch threads   (the whole 2-core machine: "full")
     single 1thr   1 rank  x 1 thread          (the compute budget of one rank below: "half")
     ddp           2 ranks x 1 thread, dp_replicate=2 (gradients all-reduced over gloo)
+    ddp (hand)    the reference: the same model, data, optimizer, schedule and clipping in a
+                  hand-written loop around torch's DistributedDataParallel, no dream_trainer
     fsdp          2 ranks x 1 thread, dp_shard=2     (FSDP2: per-block all-gather / reduce-scatter)
 
 (On a machine with C cores: C threads, C/2 threads, and 2 ranks x C/2 threads.)
@@ -50,6 +52,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
 
+from data import make_datasets  # noqa: E402
+from model import GPT, GPTConfig, lm_loss  # noqa: E402
 from train import PARALLEL, GPTTrainer, parse_args  # noqa: E402
 
 from dream_trainer import Callback, LoggingParameters, TrainerConfig, TrainingParameters  # noqa: E402
@@ -133,12 +137,75 @@ def run_rank(layout: str, threads: int | None, device: str, opts: dict[str, Any]
     }
 
 
+def run_hand_ddp(threads: int | None, device: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """One rank of the hand-written reference: what a user writes without a framework for
+    the demo's DDP run (same model init, data order, AdamW groups, warmup + cosine, clipping)."""
+    import math
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    warmup, steps = opts["warmup"], opts["steps"]
+    dev = torch.device(device, int(os.environ["LOCAL_RANK"])) if device == "cuda" else torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train_set, _, tokenizer = make_datasets(n_chars=opts["n_chars"], block_size=opts["block_size"], seed=0)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, block_size=opts["block_size"], n_layer=opts["n_layer"],
+                          n_head=opts["n_head"], d_model=opts["d_model"])).to(dev)
+    model.init_weights()
+    ddp = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+                                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                                  lr=parse_args([]).lr, betas=(0.9, 0.95))
+    total, lr_warmup = warmup + steps, parse_args([]).warmup
+
+    def lr_factor(step: int) -> float:
+        if step < lr_warmup:
+            return (step + 1) / lr_warmup
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - lr_warmup) / max(1, total - lr_warmup))))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(train_set, batch_size=max(1, opts["batch_size"] // world), sampler=sampler, drop_last=True)
+    marks = []
+    for step, (x, y) in enumerate(loader, 1):
+        x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+        loss = lm_loss(ddp(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        if step in (warmup, total):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            marks.append((time.perf_counter(), time.process_time(), busy_cpu_s()))
+        if step == total:
+            break
+    dist.destroy_process_group()
+    (t0, c0, b0), (t1, c1, b1) = marks
+    return {"seconds": t1 - t0, "cpu_seconds": c1 - c0, "machine_busy_cpu_seconds": b1 - b0,
+            "threads": torch.get_num_threads(), "params": sum(p.numel() for p in params), "world": world,
+            "mesh": "hand-written DistributedDataParallel"}
+
+
 def measure(spec: tuple[str, int, int | None, str], opts: dict[str, Any], root: str,
             tokens_per_step: int) -> dict[str, Any]:
     """One run of one layout in fresh processes; rank 0's timing plus every rank's CPU use."""
     layout, ranks, threads, device = spec
     t = time.perf_counter()
-    per_rank = spawn_world(ranks, run_rank, layout, threads, device, opts, root, timeout=600.0)
+    if layout == "hand_ddp":
+        per_rank = spawn_world(ranks, run_hand_ddp, threads, device, opts, timeout=600.0)
+    else:
+        per_rank = spawn_world(ranks, run_rank, layout, threads, device, opts, root, timeout=600.0)
     run = per_rank[0]
     # other processes' CPU: the machine's busy time over rank 0's window minus every rank's own
     other = run["machine_busy_cpu_seconds"] - sum(x["cpu_seconds"] for x in per_rank)
@@ -179,13 +246,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # name -> (layout, ranks, torch threads per rank, device)
     layouts: dict[str, tuple[str, int, int | None, str]] = {
         full: ("single", 1, cores, "cpu"), half: ("single", 1, h, "cpu"),
-        "ddp": ("ddp", 2, h, "cpu"), "fsdp": ("fsdp", 2, h, "cpu"),
+        "ddp": ("ddp", 2, h, "cpu"), "ddp (hand)": ("hand_ddp", 2, h, "cpu"), "fsdp": ("fsdp", 2, h, "cpu"),
     }
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus:  # threads: spawn_world's default; nccl (the backend "auto" picks on CUDA)
         n = min(2, gpus)
         layouts.update({"single gpu": ("single", 1, None, "cuda"), **{
-            f"{lay} {n}gpu": (lay, n, None, "cuda") for lay in ("ddp", "fsdp")}})
+            f"{lay} {n}gpu": (lay, n, None, "cuda") for lay in ("ddp", "hand_ddp", "fsdp")}})
     names = list(layouts)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     start = time.perf_counter()
@@ -242,6 +309,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   busy with OTHER processes during the timed steps (/proc/stat): > 0 means the run shared
   the machine and its numbers are low.
   """ + note.replace("\n", "\n  "))
+    paired = {}
+    for ours, hand in (("ddp", "ddp (hand)"), *((f"ddp {n}gpu", f"hand_ddp {n}gpu") for n in ([min(2, gpus)] if gpus else []))):
+        ratios = [a["ms_per_step"] / b["ms_per_step"] for a, b in zip(runs[ours], runs[hand])]
+        paired[ours] = {"reference": hand, "ms_ratio_per_round": ratios, "ms_ratio_median": statistics.median(ratios)}
+        print(f"  {ours} / {hand}, ms per step paired by round: median {statistics.median(ratios):.3f} "
+              f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)}); 1.00 = the cost of a hand-written DDP loop")
+    result["vs_hand_written"] = paired
     if not gpus:
         print("  GPU rows skipped: torch.cuda.is_available() is False.")
     result.update(

@@ -6,7 +6,15 @@ import sys
 import pytest
 import torch
 
-from dream_trainer import DeviceParameters, LoggingParameters, MeshPlanError, TrainerConfig, TrainingParameters, plan_mesh
+from dream_trainer import (
+    CheckpointParameters,
+    DeviceParameters,
+    LoggingParameters,
+    MeshPlanError,
+    TrainerConfig,
+    TrainingParameters,
+    plan_mesh,
+)
 from dream_trainer.launch import ENV_RUN_NAME, _pop_nproc, entrypoint
 
 
@@ -19,11 +27,45 @@ from dream_trainer.launch import ENV_RUN_NAME, _pop_nproc, entrypoint
         (dict(gradient_clip_val=-1.0), r"gradient_clip_val=-1.0"),
         (dict(val_every_n_steps=1.5), r"val_every_n_steps=1.5"),
         (dict(num_sanity_val_steps=-1), r"num_sanity_val_steps=-1"),
+        (dict(gradient_clip_val=float("inf")), r"gradient_clip_val=inf is invalid: expected a finite number"),
+        (dict(gradient_clip_val=float("nan")), r"gradient_clip_val=nan"),
+        (dict(gradient_clip_val=True), r"gradient_clip_val=True"),
+        (dict(scheduler_monitor=""), r"scheduler_monitor='' is invalid"),
     ],
 )
 def test_training_parameters_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TrainingParameters(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs, match",
+    [
+        (DeviceParameters, dict(compile_model="no"), r"DeviceParameters.compile_model='no' is invalid: expected True or False"),
+        (DeviceParameters, dict(checkpoint_activations=1), r"checkpoint_activations=1"),
+        (DeviceParameters, dict(cpu_offload=None), r"cpu_offload=None"),
+        (TrainingParameters, dict(validate_at_epoch_end="yes"), r"validate_at_epoch_end='yes'"),
+        (LoggingParameters, dict(log_lr=0), r"LoggingParameters.log_lr=0"),
+        (CheckpointParameters, dict(strict="false"), r"CheckpointParameters.strict='false'"),
+        (CheckpointParameters, dict(root_dir=3), r"root_dir=3 is invalid: expected a non-empty str or pathlib.Path"),
+        (TrainerConfig, dict(root_dir=None), r"TrainerConfig.root_dir=None is invalid"),
+        (TrainerConfig, dict(callbacks="ProgressBar"), r"TrainerConfig.callbacks='ProgressBar' is invalid: expected a list"),
+    ],
+)
+def test_wrong_types_are_rejected(cls, kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        cls(**kwargs)
+
+
+def test_paths_and_single_callbacks_are_accepted():
+    from pathlib import Path
+
+    from dream_trainer import ProgressBar
+
+    config = TrainerConfig(root_dir=Path("runs") / "x", callbacks=ProgressBar())
+    assert config.root_dir == os.path.join("runs", "x") and isinstance(config.callbacks[0], ProgressBar)
+    params = CheckpointParameters(root_dir=Path("/tmp/ckpt"), resume_mode=Path("/tmp/ckpt/step_000000001"))
+    assert params.root_dir == "/tmp/ckpt" and params.resume_mode == "/tmp/ckpt/step_000000001"
 
 
 @pytest.mark.parametrize(
@@ -35,6 +77,8 @@ def test_training_parameters_errors(kwargs, match):
         (dict(dp_shard="auto"), r"only one mesh size may be 'auto'"),
         (dict(param_dtype=torch.int8), r"param_dtype=torch.int8"),
         (dict(timeout_s=0), r"timeout_s=0"),
+        (dict(timeout_s=float("nan")), r"timeout_s=nan is invalid: expected a finite number > 0"),
+        (dict(init_timeout_s=float("inf")), r"init_timeout_s=inf"),
     ],
 )
 def test_device_parameters_errors(kwargs, match):
@@ -47,6 +91,8 @@ def test_trainer_config_errors():
         TrainerConfig(experiment="a/b")
     with pytest.raises(ValueError, match=r"seed=-1"):
         TrainerConfig(seed=-1)
+    with pytest.raises(ValueError, match=r"seed=4294967296 is invalid: expected an int in \[0, 2\*\*32\)"):
+        TrainerConfig(seed=2**32)  # numpy cannot take it: caught here, not at seeding
     with pytest.raises(TypeError, match="training_parameters must be a TrainingParameters"):
         TrainerConfig(training_parameters={"n_epochs": 1})
     with pytest.raises(ValueError, match="log_every_n_steps=0"):
@@ -139,3 +185,13 @@ def test_run_identity_from_env_wins(monkeypatch, tmp_path):
     trainer.fit()
     assert trainer.run_dir == tmp_path / "exp" / "shared-name" and trainer.run_dir.is_dir()
     assert trainer.seed == 5
+
+
+def test_launch_result_exit_code():
+    from dream_trainer import LaunchResult
+
+    assert LaunchResult((0, 0)).exit_code == 0
+    assert LaunchResult((75, 75)).exit_code == 75
+    assert LaunchResult((0, 75)).exit_code == 75  # one rank preempted, all saved: resumable
+    assert LaunchResult((75, 1)).exit_code == 1  # a failure is never reported as resumable
+    assert LaunchResult((0, 134, 1)).exit_code == 134  # the first failed rank's status
