@@ -38,6 +38,7 @@ ENV_EXPERIMENT = "DREAM_TRAINER_EXPERIMENT"
 ENV_RUN_NAME = "DREAM_TRAINER_RUN_NAME"
 ENV_RUN_DIR = "DREAM_TRAINER_RUN_DIR"
 ENV_SEED = "DREAM_TRAINER_SEED"
+ENV_LAUNCHER_PID = "DREAM_TRAINER_LAUNCHER_PID"
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ def entrypoint(
     timestamp), and `experiment`/`seed` when given, are exported so every rank agrees.
     """
     if is_launched():
+        _die_with_launcher()
         return main()
     args = list(sys.argv[1:] if argv is None else argv)
     cli_nproc, rest = _pop_nproc(args)
@@ -180,7 +182,7 @@ def _spawn(nproc: int, script_args: list[str], grace_s: float = 30.0) -> LaunchR
     else:
         target = [os.path.abspath(sys.argv[0])]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc),
-               LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0")
+               LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", **{ENV_LAUNCHER_PID: str(os.getpid())})
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     if sys.platform.startswith("linux"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local ranks talk over loopback
@@ -195,8 +197,7 @@ def _spawn(nproc: int, script_args: list[str], grace_s: float = 30.0) -> LaunchR
     try:
         for rank in range(nproc):
             rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
-            procs.append(subprocess.Popen([sys.executable, *target, *script_args], env=rank_env,
-                                          start_new_session=True, preexec_fn=_die_with_parent))
+            procs.append(subprocess.Popen([sys.executable, *target, *script_args], env=rank_env, start_new_session=True))
         codes = _wait_all(procs, grace_s)
     finally:
         for sig, old in previous.items():
@@ -231,11 +232,14 @@ def _wait_all(procs: list[subprocess.Popen[bytes]], grace_s: float) -> list[int]
     return [int(code) for code in codes]  # type: ignore[arg-type]
 
 
-def _die_with_parent() -> None:
-    """In a spawned rank (Linux): receive SIGTERM when the launcher dies, so no rank is
-    orphaned (it checkpoints and exits like a preempted run)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+def _die_with_launcher() -> None:
+    """In a rank started by `_spawn` (Linux): get SIGTERM when the launcher dies, so no rank
+    is orphaned (it checkpoints and exits like a preempted run)."""
+    launcher = os.environ.pop(ENV_LAUNCHER_PID, None)  # not for this rank's own children
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(launcher):  # the launcher died before the line above
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -14,8 +14,10 @@ With one rank the local flags are the decision.
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
+import time
 from typing import Any
 
 import torch
@@ -28,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 EXIT_FAILED = 1
 """`BaseTrainer.exit_code` of a failed run."""
+
+SIGNAL_REPEAT_WINDOW_S = 1.0
+"""A repeat of the first SIGTERM/SIGINT within this many seconds is the same delivery."""
 
 _SIGNAL, _STOP, _DISABLE = 0, 1, 2  # positions in the agreed flag tensor
 
@@ -79,14 +84,23 @@ class PreemptionMixin(AbstractTrainer):
     # ------------------------------------------------------------------ signals
     def _install_signal_handlers(self) -> Any:
         """SIGTERM and SIGINT ask for a stop at the next step boundary (checkpointed by the
-        checkpoint callback in `on_interrupt`); a second signal raises at once."""
+        checkpoint callback in `on_interrupt`); a second signal raises at once. The same
+        signal repeated within `SIGNAL_REPEAT_WINDOW_S` of the first is one delivery, not a
+        second signal: a process can get one signal twice (a scheduler signalling the
+        process group and a launcher forwarding it; the parent-death signal once per thread
+        of a killed launcher)."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
         self._signal = None
+        first: dict[int, float] = {}
 
         def handler(signum: int, frame: Any) -> None:
+            now = time.monotonic()
+            if now - first.get(signum, -math.inf) < SIGNAL_REPEAT_WINDOW_S:
+                return
             if self._signal is not None or self.status != "running":
                 raise TrainingInterrupted(f"received signal {signal.Signals(signum).name} again", signum=signum)
+            first[signum] = now
             self._signal = signum
             logger.warning("received %s: stopping at the next step boundary", signal.Signals(signum).name)
 

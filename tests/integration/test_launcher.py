@@ -9,10 +9,11 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 SCRIPT = textwrap.dedent(
     """
-    import sys, time
+    import os, sys, time
     from pathlib import Path
     from dream_trainer import (Callback, CheckpointCallback, CheckpointParameters, DeviceParameters,
                                TrainerConfig, TrainingParameters, entrypoint)
@@ -24,6 +25,8 @@ SCRIPT = textwrap.dedent(
     class Script(Callback):
         def post_train_step(self, result, batch_idx):
             rank, step = self.trainer.world.rank, self.trainer.global_step
+            if step == 1:
+                (ROOT / f"pid{rank}").write_text(str(os.getpid()))
             if rank == 0 and step == 2:
                 (ROOT / "started").write_text("")
             if MODE == "fail" and rank == 1 and step == 3:
@@ -59,13 +62,28 @@ def _launch(tmp_path, mode):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def _finish(proc, timeout):
+def _finish(proc, timeout, ranks_grace=0.0):
     try:
         return proc.communicate(timeout=timeout)[0]
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher (ranks die with it)
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+        _end_ranks(Path(proc.args[2]), ranks_grace)
+
+
+def _end_ranks(root, grace):
+    """The ranks run in sessions of their own: end any that is still alive (by the pid it wrote)."""
+    deadline = time.monotonic() + grace
+    for pid_file in root.glob("pid*"):
+        pid = int(pid_file.read_text())
+        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+            time.sleep(0.05)
+        try:
+            if "train.py" in Path(f"/proc/{pid}/cmdline").read_text():
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError):
+            pass  # already gone
 
 
 def test_sigterm_to_the_launcher_preempts_every_rank_and_exits_75(tmp_path):
@@ -81,6 +99,18 @@ def test_sigterm_to_the_launcher_preempts_every_rank_and_exits_75(tmp_path):
     checkpoints = [p.name for p in (tmp_path / "ckpt").iterdir()]
     assert len(checkpoints) == 1 and checkpoints[0].startswith("step_"), checkpoints
     assert out.count("preempted at step") == 2, out[-3000:]
+
+
+def test_ranks_of_a_killed_launcher_checkpoint_and_end(tmp_path):
+    proc = _launch(tmp_path, "preempt")
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "started").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, _finish(proc, 10)[-3000:]
+        time.sleep(0.05)
+    proc.kill()  # SIGKILL: the launcher cannot forward anything; the ranks get SIGTERM from the kernel
+    _finish(proc, 30, ranks_grace=60)  # the ranks end by themselves (else: killed, and the test fails)
+    assert (tmp_path / "rank0_preempted").exists(), "the orphaned ranks did not end as preempted"
+    assert [p.name.startswith("step_") for p in (tmp_path / "ckpt").iterdir()] == [True]
 
 
 def test_a_failed_rank_fails_the_launcher_promptly(tmp_path):

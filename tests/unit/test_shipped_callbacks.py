@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import time
 import signal
 
 import pytest
@@ -45,15 +46,19 @@ def test_logger_needs_a_sink():
 
 
 def test_sigterm_stops_at_the_step_boundary_and_a_second_signal_aborts():
+    from dream_trainer.trainer.preemption import SIGNAL_REPEAT_WINDOW_S
+
     seen = []
 
     class Terminate(Callback):
-        def __init__(self, times):
-            self.times = times
+        def __init__(self, times, gap=0.0):
+            self.times, self.gap = times, gap
 
         def pre_train_step(self, batch, batch_idx):
             if self.trainer.global_step == 2:
-                for _ in range(self.times):  # a second signal before the boundary aborts at once
+                for i in range(self.times):
+                    if i:
+                        time.sleep(self.gap)
                     os.kill(os.getpid(), signal.SIGTERM)
 
         def on_interrupt(self, error):
@@ -67,7 +72,11 @@ def test_sigterm_stops_at_the_step_boundary_and_a_second_signal_aborts():
     assert not dist.is_initialized()
     assert signal.getsignal(signal.SIGTERM) is previous  # the handler is restored
 
-    seen.clear()
+    seen.clear()  # one signal delivered twice at once (launcher + scheduler): still one preemption
+    make([Terminate(times=2)]).fit()
+    assert seen == [(3, "preempted")]
+
+    seen.clear()  # a second signal, later, before the boundary: abort at once
     with pytest.raises(TrainingInterrupted, match="again"):
-        make([Terminate(times=2)]).fit()
+        make([Terminate(times=2, gap=SIGNAL_REPEAT_WINDOW_S + 0.1)]).fit()
     assert seen == [(2, "failed")] and not dist.is_initialized()
