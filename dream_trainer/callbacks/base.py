@@ -7,6 +7,7 @@ nothing per step.
 
 from __future__ import annotations
 
+import inspect
 import typing
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar, Generic, TypeVar
@@ -161,6 +162,27 @@ class Callback(Generic[TrainerT]):
             for name in HOOKS + CONTEXT_HOOKS
             if getattr(cls, name) is not getattr(Callback, name)
         )
+
+    @classmethod
+    def check_hook_signatures(cls) -> None:
+        """Raise `TypeError` when an overridden hook cannot take the hook's arguments (a
+        callback written for another signature, e.g. ``on_interrupt(self)`` from before it
+        received the error): checked when the callback is added, not when the hook first
+        runs — an `on_interrupt` that cannot be called would fail only at the worst moment."""
+        for name in cls.overridden_hooks():
+            expected = inspect.signature(getattr(Callback, name))
+            n_args = len(expected.parameters) - 1  # without self
+            try:
+                actual = inspect.signature(getattr(cls, name))
+            except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+                continue
+            try:
+                actual.bind(None, *range(n_args))
+            except TypeError:
+                raise TypeError(
+                    f"{cls.__name__}.{name}{actual} does not take the hook's arguments: expected "
+                    f"{name}{expected}"
+                ) from None
 
     @classmethod
     def trainer_requirement(cls) -> Any:

@@ -73,6 +73,7 @@ class CallbackCollection:
             raise TypeError(
                 f"expected a dream_trainer Callback, got {type(callback).__name__}: {callback!r}"
             )
+        type(callback).check_hook_signatures()
         if any(existing is callback for existing in self._callbacks.values()):
             raise ValueError(f"callback {callback!r} is already in the collection")
         if name is None:

@@ -225,3 +225,20 @@ def test_bad_inputs():
         CallbackCollection().add(OnlyPreStep(), name="has space")
     with pytest.raises(KeyError, match="registered"):
         CallbackCollection().remove("nope")
+
+
+def test_a_hook_with_the_wrong_signature_fails_when_added():
+    class OldStyle(Callback):
+        def on_interrupt(self):  # before on_interrupt received the error
+            pass
+
+    class Fine(Callback):
+        def on_interrupt(self, error, *rest):
+            pass
+
+        def post_train_step(self, *args, **kwargs):
+            pass
+
+    with pytest.raises(TypeError, match=r"OldStyle.on_interrupt\(self\) does not take the hook's arguments: expected on_interrupt\(self, error"):
+        CallbackCollection([OldStyle()])
+    assert "Fine" in CallbackCollection([Fine()])
