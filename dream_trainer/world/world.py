@@ -153,19 +153,23 @@ class DistributedWorld:
                 self._groups.append(self.mesh[("dp_replicate", "dp_shard")]._flatten("dp").get_group())
             self._set_timeout(timeout)
         except BaseException:
+            self._track_sockets(before)
             self.teardown(abort=True)
             raise
-        finally:
-            if self._owns_process_group:  # this process's connections to its peers
-                self._sockets |= _socket_inodes().keys() - before.keys()
+        self._track_sockets(before)
+
+    def _track_sockets(self, before: dict[str, int]) -> None:
+        """Remember the sockets opened since `before` (this process's connections to its
+        peers) when this world owns the process group: `teardown(abort=True)` shuts them."""
+        if self._owns_process_group:
+            self._sockets |= _socket_inodes().keys() - before.keys()
 
     def new_group(self, **kwargs: Any) -> Any:
         """``torch.distributed.new_group(**kwargs)`` (every rank must call it), owned by the
         world: it gets the world's current timeout and is released by `teardown`."""
         before = _socket_inodes()
         group = dist.new_group(**kwargs)
-        if self._owns_process_group:
-            self._sockets |= _socket_inodes().keys() - before.keys()
+        self._track_sockets(before)
         if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
             self._groups.append(group)
             group.set_timeout(self._timeout)
