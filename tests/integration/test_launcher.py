@@ -86,12 +86,18 @@ def _end_ranks(root, grace):
             pass  # already gone
 
 
-def test_sigterm_to_the_launcher_preempts_every_rank_and_exits_75(tmp_path):
+def _launch_and_wait(tmp_path):
+    """Launch in "preempt" mode and wait until rank 0 has trained 2 steps."""
     proc = _launch(tmp_path, "preempt")
     deadline = time.monotonic() + 120
     while not (tmp_path / "started").exists():
         assert proc.poll() is None and time.monotonic() < deadline, _finish(proc, 10)[-3000:]
         time.sleep(0.05)
+    return proc
+
+
+def test_sigterm_to_the_launcher_preempts_every_rank_and_exits_75(tmp_path):
+    proc = _launch_and_wait(tmp_path)
     os.kill(proc.pid, signal.SIGTERM)  # the launcher only: it forwards to the ranks
     out = _finish(proc, 120)
     assert proc.returncode == 75, out[-3000:]
@@ -102,11 +108,7 @@ def test_sigterm_to_the_launcher_preempts_every_rank_and_exits_75(tmp_path):
 
 
 def test_ranks_of_a_killed_launcher_checkpoint_and_end(tmp_path):
-    proc = _launch(tmp_path, "preempt")
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "started").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, _finish(proc, 10)[-3000:]
-        time.sleep(0.05)
+    proc = _launch_and_wait(tmp_path)
     proc.kill()  # SIGKILL: the launcher cannot forward anything; the ranks get SIGTERM from the kernel
     _finish(proc, 30, ranks_grace=60)  # the ranks end by themselves (else: killed, and the test fails)
     assert (tmp_path / "rank0_preempted").exists(), "the orphaned ranks did not end as preempted"
