@@ -16,9 +16,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Callable
 
-import torch
 
 from dream_trainer.callbacks.base import CONTEXT_HOOKS, HOOKS, Callback, RankZeroCallback, StopTraining
+from dream_trainer.callbacks.dispatch import DispatchMixin
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class _FailureState:
         self.logged_traceback = False
 
 
-class CallbackCollection:
+class CallbackCollection(DispatchMixin):
     """Ordered, named callbacks; dispatches each hook to the callbacks that override it.
 
     Args:
@@ -271,145 +271,6 @@ class CallbackCollection:
     def listens(self, hook: str) -> bool:
         """Whether any active callback overrides `hook`."""
         return bool(getattr(self, "_h_" + hook))
-
-    # ---------------------------------------------------------------- typed dispatch
-    # One method per entry of HOOKS (checked at import time below). Each is a no-op
-    # when no callback overrides the hook: one attribute test, nothing else.
-    _h_pre_launch: tuple[Callable[[], None], ...]
-    _h_pre_configure: tuple[Callable[[], None], ...]
-    _h_post_configure: tuple[Callable[[], None], ...]
-    _h_pre_setup: tuple[Callable[[], None], ...]
-    _h_post_setup: tuple[Callable[[], None], ...]
-    _h_pre_fit: tuple[Callable[[], None], ...]
-    _h_post_fit: tuple[Callable[[], None], ...]
-    _h_pre_epoch: tuple[Callable[[], None], ...]
-    _h_post_epoch: tuple[Callable[[], None], ...]
-    _h_pre_train_epoch: tuple[Callable[[], None], ...]
-    _h_post_train_epoch: tuple[Callable[[dict[str, Any]], None], ...]
-    _h_pre_train_step: tuple[Callable[[Any, int], None], ...]
-    _h_post_train_step: tuple[Callable[[dict[str, Any], int], None], ...]
-    _h_pre_optimizer_step: tuple[Callable[..., None], ...]
-    _h_post_optimizer_step: tuple[Callable[..., None], ...]
-    _h_pre_optimizer_zero_grad: tuple[Callable[..., None], ...]
-    _h_post_optimizer_zero_grad: tuple[Callable[..., None], ...]
-    _h_pre_validation_epoch: tuple[Callable[[], None], ...]
-    _h_post_validation_epoch: tuple[Callable[[dict[str, Any]], None], ...]
-    _h_pre_validation_step: tuple[Callable[[Any, int], None], ...]
-    _h_post_validation_step: tuple[Callable[[dict[str, Any], int], None], ...]
-    _h_on_log: tuple[Callable[[dict[str, float], int], None], ...]
-    _h_on_interrupt: tuple[Callable[[BaseException], None], ...]
-    _h_on_teardown: tuple[Callable[[str], None], ...]
-
-    def pre_launch(self) -> None:
-        if self._h_pre_launch:
-            self._call0(self._h_pre_launch, "pre_launch")
-
-    def pre_configure(self) -> None:
-        if self._h_pre_configure:
-            self._call0(self._h_pre_configure, "pre_configure")
-
-    def post_configure(self) -> None:
-        if self._h_post_configure:
-            self._call0(self._h_post_configure, "post_configure")
-
-    def pre_setup(self) -> None:
-        if self._h_pre_setup:
-            self._call0(self._h_pre_setup, "pre_setup")
-
-    def post_setup(self) -> None:
-        if self._h_post_setup:
-            self._call0(self._h_post_setup, "post_setup")
-
-    def pre_fit(self) -> None:
-        if self._h_pre_fit:
-            self._call0(self._h_pre_fit, "pre_fit")
-
-    def post_fit(self) -> None:
-        if self._h_post_fit:
-            self._call0(self._h_post_fit, "post_fit")
-
-    def pre_epoch(self) -> None:
-        if self._h_pre_epoch:
-            self._call0(self._h_pre_epoch, "pre_epoch")
-
-    def post_epoch(self) -> None:
-        if self._h_post_epoch:
-            self._call0(self._h_post_epoch, "post_epoch")
-
-    def pre_train_epoch(self) -> None:
-        if self._h_pre_train_epoch:
-            self._call0(self._h_pre_train_epoch, "pre_train_epoch")
-
-    def post_train_epoch(self, result: dict[str, Any]) -> None:
-        if self._h_post_train_epoch:
-            self._call1(self._h_post_train_epoch, "post_train_epoch", result)
-
-    def pre_train_step(self, batch: Any, batch_idx: int) -> None:
-        if self._h_pre_train_step:
-            self._call2(self._h_pre_train_step, "pre_train_step", batch, batch_idx)
-
-    def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
-        if self._h_post_train_step:
-            self._call2(self._h_post_train_step, "post_train_step", result, batch_idx)
-
-    def pre_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        if self._h_pre_optimizer_step:
-            self._call2(self._h_pre_optimizer_step, "pre_optimizer_step", model, optimizer)
-
-    def post_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        if self._h_post_optimizer_step:
-            self._call2(self._h_post_optimizer_step, "post_optimizer_step", model, optimizer)
-
-    def pre_optimizer_zero_grad(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        if self._h_pre_optimizer_zero_grad:
-            self._call2(self._h_pre_optimizer_zero_grad, "pre_optimizer_zero_grad", model, optimizer)
-
-    def post_optimizer_zero_grad(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        if self._h_post_optimizer_zero_grad:
-            self._call2(self._h_post_optimizer_zero_grad, "post_optimizer_zero_grad", model, optimizer)
-
-    def pre_validation_epoch(self) -> None:
-        if self._h_pre_validation_epoch:
-            self._call0(self._h_pre_validation_epoch, "pre_validation_epoch")
-
-    def post_validation_epoch(self, result: dict[str, Any]) -> None:
-        if self._h_post_validation_epoch:
-            self._call1(self._h_post_validation_epoch, "post_validation_epoch", result)
-
-    def pre_validation_step(self, batch: Any, batch_idx: int) -> None:
-        if self._h_pre_validation_step:
-            self._call2(self._h_pre_validation_step, "pre_validation_step", batch, batch_idx)
-
-    def post_validation_step(self, result: dict[str, Any], batch_idx: int) -> None:
-        if self._h_post_validation_step:
-            self._call2(self._h_post_validation_step, "post_validation_step", result, batch_idx)
-
-    def on_log(self, metrics: dict[str, float], step: int) -> None:
-        if self._h_on_log:
-            self._call2(self._h_on_log, "on_log", metrics, step)
-
-    def on_interrupt(self, error: BaseException) -> list[BaseException]:
-        """Every callback's `on_interrupt` runs. Errors are logged, never raised here (an
-        interruption is already being handled); the critical callbacks' errors are
-        returned, for the trainer to mark the run failed."""
-        return self._call_all(self._h_on_interrupt, "on_interrupt", error)
-
-    def on_teardown(self, status: str) -> list[BaseException]:
-        """Every callback's `on_teardown` runs; like `on_interrupt`, errors are logged and
-        the critical callbacks' errors returned."""
-        return self._call_all(self._h_on_teardown, "on_teardown", status)
-
-    def _call_all(self, fns: tuple[Callable[[Any], None], ...], hook: str, arg: Any) -> list[BaseException]:
-        failures: list[BaseException] = []
-        for fn in fns:
-            try:
-                fn(arg)
-            except Exception as exc:  # noqa: BLE001
-                callback = fn.__self__  # type: ignore[attr-defined]
-                logger.exception("%s of %r failed", hook, type(callback).__name__)
-                if callback.critical and not isinstance(exc, StopTraining):
-                    failures.append(exc)
-        return failures
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, dict[str, Any]]:
