@@ -16,7 +16,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Callable
 
-
 from dream_trainer.callbacks.base import CONTEXT_HOOKS, HOOKS, Callback, RankZeroCallback, StopTraining
 from dream_trainer.callbacks.dispatch import DispatchMixin
 
