@@ -9,6 +9,7 @@ from dream_trainer.callbacks import (
     LoggerCallback,
     ProgressBar,
     RankZeroCallback,
+    SkipBatch,
     StopTraining,
 )
 from dream_trainer.checkpoint import CheckpointError, CheckpointInfo, export_model, list_checkpoints
@@ -49,6 +50,7 @@ __all__ = [
     "ProgressBar",
     "RankZeroCallback",
     "RunIdentity",
+    "SkipBatch",
     "StopTraining",
     "TrainerConfig",
     "TrainingInterrupted",

@@ -34,9 +34,9 @@ META_FILE = "dream_trainer.json"
 STAGING_PREFIX = ".staging-"
 _NAME = re.compile(r"^step_(\d+)$")
 _RANK_KEYS = "ranks."  # per-rank entries: present only for the ranks that wrote them
-# A callback new in this run has nothing to load; checkpoints from before the list of
-# saved callbacks was recorded have no "trainer.callbacks".
-_OPTIONAL_KEYS = ("callbacks.", "trainer.callbacks")
+# A callback new in this run has nothing to load; older checkpoints have no list of saved
+# callbacks and no skip counters.
+_OPTIONAL_KEYS = ("callbacks.", "trainer.callbacks", "trainer.skipped_")
 
 
 class CheckpointError(RuntimeError):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from dream_trainer.callbacks.base import CONTEXT_HOOKS, HOOKS, Callback, RankZeroCallback, StopTraining
+from dream_trainer.callbacks.base import CONTEXT_HOOKS, HOOKS, Callback, RankZeroCallback, SkipBatch, StopTraining
 from dream_trainer.callbacks.collection import CallbackCollection, CallbackDependencyError
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ __all__ = [
     "LoggerCallback",
     "ProgressBar",
     "RankZeroCallback",
+    "SkipBatch",
     "StopTraining",
 ]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import typing
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
@@ -19,6 +20,8 @@ TrainerT = TypeVar("TrainerT")
 HOOKS: tuple[str, ...] = (
     "pre_launch",
     "pre_configure",
+    "post_configure_models",
+    "post_init_weights",
     "post_configure",
     "pre_setup",
     "post_setup",
@@ -39,6 +42,9 @@ HOOKS: tuple[str, ...] = (
     "pre_validation_step",
     "post_validation_step",
     "on_log",
+    "on_checkpoint_saved",
+    "on_checkpoint_loaded",
+    "on_callback_disabled",
     "on_interrupt",
     "on_teardown",
 )
@@ -70,6 +76,21 @@ class StopTraining(Exception):
         self.reason = reason
 
 
+class SkipBatch(Exception):
+    """Raise from `pre_train_step` to skip the batch before its forward pass, on every rank.
+
+    Like `StopTraining`, a request: the hook's other callbacks still run, then the ranks
+    agree (one small all-reduce on the CPU, made only when some callback declares
+    ``skips_batches = True``, which the raising callback must) and every rank skips the
+    batch: no ``training_step``, no ``post_train_step``, no optimizer step. If the batch
+    would have ended an accumulation group, the group's gradients are dropped.
+    """
+
+    def __init__(self, reason: str = "batch skipped by a callback"):
+        super().__init__(reason)
+        self.reason = reason
+
+
 class Callback(Generic[TrainerT]):
     """Base class of every callback. Parametrize it with what the callback needs.
 
@@ -88,16 +109,44 @@ class Callback(Generic[TrainerT]):
             errors are warned about and its state skipped. Critical callbacks propagate.
         order: callbacks run in ascending `order`, then insertion order.
         max_consecutive_failures: see `critical`.
+        vetoes_steps: the callback may veto optimizer steps (`pre_optimizer_step` returning
+            False, or ``trainer.skip_step``). The ranks then agree on every optimizer step
+            (one small all-reduce on the CPU per step); a veto from a callback that does not
+            declare it is an error.
+        skips_batches: the callback may raise `SkipBatch` from `pre_train_step`. The ranks
+            then agree on every batch (one small all-reduce on the CPU per batch).
+        log_every_n_steps: an interval of the callback's own (an instance attribute; None:
+            the trainer's). Steps that are multiples of it are log steps too:
+            ``trainer.is_log_step`` is True and `log_dict` values are sent to `on_log` at
+            once, under that step.
     """
 
     trainer: TrainerT
     critical: ClassVar[bool] = True
     order: ClassVar[int] = 0
     max_consecutive_failures: ClassVar[int] = 3
+    vetoes_steps: ClassVar[bool] = False
+    skips_batches: ClassVar[bool] = False
+    log_every_n_steps: int | None = None
 
     # -- lifecycle -------------------------------------------------------------------
-    def pre_launch(self) -> None: ...
+    def pre_launch(self) -> None:
+        """Before the process group exists. ``trainer.set_world(world)`` may replace the
+        world here (a fault-tolerant world, a fallback)."""
+
     def pre_configure(self) -> None: ...
+
+    def post_configure_models(self, models: dict[str, torch.nn.Module]) -> None:
+        """`DreamTrainer` only: right after ``configure_models()``, on the meta device,
+        before tensor parallel, activation checkpointing, compile, ``fully_shard`` and the
+        optimizers. Replace modules here (FP8 conversion, LoRA, QAT): swap submodules in
+        place, or set ``trainer.<name>`` to a new model."""
+
+    def post_init_weights(self, models: dict[str, torch.nn.Module]) -> None:
+        """`DreamTrainer` only: after materialization and ``init_weights()`` (parallelized,
+        on the device, under ``torch.no_grad()``), before the optimizers: initialize what
+        a callback added in `post_configure_models`."""
+
     def post_configure(self) -> None: ...
     def pre_setup(self) -> None: ...
     def post_setup(self) -> None: ...
@@ -111,7 +160,10 @@ class Callback(Generic[TrainerT]):
     def post_train_epoch(self, result: dict[str, Any]) -> None: ...
     def pre_train_step(self, batch: Any, batch_idx: int) -> None: ...
     def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None: ...
-    def pre_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None: ...
+    def pre_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool | None:
+        """Before ``optimizer.step()`` (gradients final, clipped). Return False to veto the
+        step (needs ``vetoes_steps = True``): on every rank, no update, no scheduler step,
+        no ``global_step`` increment; the gradients are dropped."""
     def post_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None: ...
     def pre_optimizer_zero_grad(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None: ...
     def post_optimizer_zero_grad(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None: ...
@@ -124,6 +176,16 @@ class Callback(Generic[TrainerT]):
 
     # -- other -----------------------------------------------------------------------
     def on_log(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def on_checkpoint_saved(self, path: Path, step: int) -> None:
+        """A checkpoint of `step` is complete at `path` (on rank 0: committed; on the other
+        ranks: their part written). After an async save, at the first step after it ends."""
+
+    def on_checkpoint_loaded(self, path: Path, step: int) -> None:
+        """The trainer was restored from the checkpoint at `path` (at `step`)."""
+
+    def on_callback_disabled(self, name: str, reason: str) -> None:
+        """The non-critical callback `name` was disabled (on every rank, at the same point)."""
 
     def on_interrupt(self, error: BaseException) -> None:
         """The run is ending on an exception: `error` is it — a `TrainingInterrupted` for a

@@ -26,6 +26,7 @@ import torch
 
 from dream_trainer.callbacks.base import Callback
 from dream_trainer.checkpoint import (
+    STAGING_PREFIX,
     CheckpointError,
     best_of,
     check_writable,
@@ -69,7 +70,7 @@ class CheckpointCallback(Callback[BaseTrainer]):
         self.blocked_s: list[float] = []
         self.save_s: list[float] = []
         self._last_step: int | None = None
-        self._pending: tuple[Future[None], Path] | None = None
+        self._pending: tuple[Future[None], Path, int] | None = None
         self._group: Any = None
         self._stager: Any = None
         self._after_validation = False
@@ -109,7 +110,7 @@ class CheckpointCallback(Callback[BaseTrainer]):
 
     def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
         trainer = self.trainer
-        if trainer.is_accumulating_gradients:
+        if trainer.is_accumulating_gradients or trainer.step_skipped:  # nothing new to save
             return
         self._poll()
         every, max_steps = self.params.every_n_steps, trainer.training_parameters.max_steps
@@ -187,6 +188,7 @@ class CheckpointCallback(Callback[BaseTrainer]):
             self._commit(staging, meta)
             self.blocked_s.append(time.perf_counter() - start)
             self.save_s.append(self.blocked_s[-1])
+            trainer.callbacks.on_checkpoint_saved(_final(staging), step)
         else:
             upload = dcp.async_save(state, checkpoint_id=str(staging), process_group=self._group, async_stager=self._stager)
             done: Future[None] = Future()
@@ -201,7 +203,7 @@ class CheckpointCallback(Callback[BaseTrainer]):
                     done.set_exception(exc)
 
             upload.add_done_callback(finish)
-            self._pending = (done, staging)
+            self._pending = (done, staging, step)
             self.blocked_s.append(time.perf_counter() - start)
         self._last_step = step
 
@@ -210,7 +212,7 @@ class CheckpointCallback(Callback[BaseTrainer]):
         any, is raised here as a `CheckpointError`."""
         if self._pending is None:
             return
-        done, staging = self._pending
+        done, staging, step = self._pending
         self._pending = None
         try:
             done.result()
@@ -219,6 +221,7 @@ class CheckpointCallback(Callback[BaseTrainer]):
                 logger.error("background checkpoint save to %s failed: %s", staging, describe(exc))
                 return
             raise CheckpointError(f"background checkpoint save to {staging} failed: {describe(exc)}") from exc
+        self.trainer.callbacks.on_checkpoint_saved(_final(staging), step)
 
     def _poll(self) -> None:
         if self._pending is not None and self._pending[0].done():
@@ -279,3 +282,9 @@ class CheckpointCallback(Callback[BaseTrainer]):
         self.resumed_from = Path(path)
         self._last_step = trainer.global_step
         logger.info("resumed from %s at step %d, epoch %d", path, trainer.global_step, trainer.current_epoch)
+        trainer.callbacks.on_checkpoint_loaded(Path(path), trainer.global_step)
+
+
+def _final(staging: Path) -> Path:
+    """The committed name of a staging directory."""
+    return staging.with_name(staging.name.removeprefix(STAGING_PREFIX))

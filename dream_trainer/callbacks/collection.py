@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Callable
 
-from dream_trainer.callbacks.base import CONTEXT_HOOKS, HOOKS, Callback, RankZeroCallback, StopTraining
+from dream_trainer.callbacks.base import CONTEXT_HOOKS, HOOKS, Callback, RankZeroCallback, SkipBatch, StopTraining
 from dream_trainer.callbacks.dispatch import DispatchMixin
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,11 @@ class CallbackCollection(DispatchMixin):
                 f"expected a dream_trainer Callback, got {type(callback).__name__}: {callback!r}"
             )
         type(callback).check_hook_signatures()
+        interval = callback.log_every_n_steps
+        if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 1):
+            raise ValueError(
+                f"{type(callback).__name__}.log_every_n_steps={interval!r} is invalid: expected an int >= 1 or None"
+            )
         if any(existing is callback for existing in self._callbacks.values()):
             raise ValueError(f"callback {callback!r} is already in the collection")
         if name is None:
@@ -184,6 +189,13 @@ class CallbackCollection(DispatchMixin):
             self._contexts[hook] = tuple(
                 getattr(cb, hook) for cb in active if hook in overrides[id(cb)]
             )
+        # Decided from every callback, rank-zero ones included, so every rank agrees.
+        every = list(self._callbacks.values())
+        #: The log intervals of the callbacks that have their own (`Callback.log_every_n_steps`).
+        self.log_intervals = sorted({cb.log_every_n_steps for cb in every if cb.log_every_n_steps})
+        #: Whether some callback may veto optimizer steps / skip batches (the ranks then agree on each).
+        self.vetoes_steps = any(type(cb).vetoes_steps for cb in every)
+        self.skips_batches = any(type(cb).skips_batches for cb in every)
         #: Whether any callback returns a context for training / validation steps.
         self.has_train_context = bool(self._contexts["train_context"])
         self.has_validation_context = bool(self._contexts["validation_context"])
@@ -214,13 +226,18 @@ class CallbackCollection(DispatchMixin):
 
     def _on_error(self, fn: Callable[..., Any], hook: str, exc: Exception) -> None:
         callback: Callback[Any] = fn.__self__  # type: ignore[attr-defined]
-        if isinstance(exc, StopTraining):
-            # Inside a trainer, a request every rank agrees on at the next boundary (the
-            # hook's other callbacks and the step go on); standalone, it propagates.
-            request_stop = getattr(self._trainer, "request_stop", None)
-            if request_stop is None:
+        if isinstance(exc, (StopTraining, SkipBatch)):
+            # Inside a trainer, a request every rank agrees on (the hook's other callbacks
+            # go on); standalone, it propagates.
+            request = getattr(self._trainer, "request_stop" if isinstance(exc, StopTraining) else "request_skip_batch", None)
+            if request is None:
                 raise exc
-            request_stop(exc.reason)
+            if isinstance(exc, SkipBatch) and not type(callback).skips_batches:
+                raise RuntimeError(
+                    f"callback {type(callback).__name__} raised SkipBatch but does not declare "
+                    "skips_batches = True (the ranks agree on skipped batches only then)"
+                ) from exc
+            request(exc.reason)
             return
         if callback.critical:
             raise exc
@@ -253,6 +270,7 @@ class CallbackCollection(DispatchMixin):
         if name in self._callbacks:
             logger.warning("disabling callback %r after %s", name, why)
             self.remove(name)
+            self.on_callback_disabled(name, why)
 
     def contexts(self, hook: str) -> list[AbstractContextManager[Any]]:
         """The context managers the callbacks return for `train_context`/`validation_context`."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,9 +26,13 @@ class DispatchMixin:
     _call0: Callable[..., None]
     _call1: Callable[..., None]
     _call2: Callable[..., None]
+    _on_error: Callable[..., None]
+    _name_of: Callable[[Any], str]
 
     _h_pre_launch: tuple[Callable[[], None], ...]
     _h_pre_configure: tuple[Callable[[], None], ...]
+    _h_post_configure_models: tuple[Callable[[dict[str, torch.nn.Module]], None], ...]
+    _h_post_init_weights: tuple[Callable[[dict[str, torch.nn.Module]], None], ...]
     _h_post_configure: tuple[Callable[[], None], ...]
     _h_pre_setup: tuple[Callable[[], None], ...]
     _h_post_setup: tuple[Callable[[], None], ...]
@@ -39,7 +44,7 @@ class DispatchMixin:
     _h_post_train_epoch: tuple[Callable[[dict[str, Any]], None], ...]
     _h_pre_train_step: tuple[Callable[[Any, int], None], ...]
     _h_post_train_step: tuple[Callable[[dict[str, Any], int], None], ...]
-    _h_pre_optimizer_step: tuple[Callable[..., None], ...]
+    _h_pre_optimizer_step: tuple[Callable[..., bool | None], ...]
     _h_post_optimizer_step: tuple[Callable[..., None], ...]
     _h_pre_optimizer_zero_grad: tuple[Callable[..., None], ...]
     _h_post_optimizer_zero_grad: tuple[Callable[..., None], ...]
@@ -48,6 +53,9 @@ class DispatchMixin:
     _h_pre_validation_step: tuple[Callable[[Any, int], None], ...]
     _h_post_validation_step: tuple[Callable[[dict[str, Any], int], None], ...]
     _h_on_log: tuple[Callable[[dict[str, float], int], None], ...]
+    _h_on_checkpoint_saved: tuple[Callable[[Path, int], None], ...]
+    _h_on_checkpoint_loaded: tuple[Callable[[Path, int], None], ...]
+    _h_on_callback_disabled: tuple[Callable[[str, str], None], ...]
     _h_on_interrupt: tuple[Callable[[BaseException], None], ...]
     _h_on_teardown: tuple[Callable[[str], None], ...]
 
@@ -58,6 +66,14 @@ class DispatchMixin:
     def pre_configure(self) -> None:
         if self._h_pre_configure:
             self._call0(self._h_pre_configure, "pre_configure")
+
+    def post_configure_models(self, models: dict[str, torch.nn.Module]) -> None:
+        if self._h_post_configure_models:
+            self._call1(self._h_post_configure_models, "post_configure_models", models)
+
+    def post_init_weights(self, models: dict[str, torch.nn.Module]) -> None:
+        if self._h_post_init_weights:
+            self._call1(self._h_post_init_weights, "post_init_weights", models)
 
     def post_configure(self) -> None:
         if self._h_post_configure:
@@ -103,9 +119,16 @@ class DispatchMixin:
         if self._h_post_train_step:
             self._call2(self._h_post_train_step, "post_train_step", result, batch_idx)
 
-    def pre_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        if self._h_pre_optimizer_step:
-            self._call2(self._h_pre_optimizer_step, "pre_optimizer_step", model, optimizer)
+    def pre_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+        """Returns the names of the callbacks that vetoed the step (returned False)."""
+        vetoes: list[str] = []
+        for fn in self._h_pre_optimizer_step:
+            try:
+                if fn(model, optimizer) is False:
+                    vetoes.append(self._name_of(fn.__self__))  # type: ignore[attr-defined]
+            except Exception as exc:  # noqa: BLE001 - the error policy decides
+                self._on_error(fn, "pre_optimizer_step", exc)
+        return vetoes
 
     def post_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         if self._h_post_optimizer_step:
@@ -138,6 +161,18 @@ class DispatchMixin:
     def on_log(self, metrics: dict[str, float], step: int) -> None:
         if self._h_on_log:
             self._call2(self._h_on_log, "on_log", metrics, step)
+
+    def on_checkpoint_saved(self, path: Path, step: int) -> None:
+        if self._h_on_checkpoint_saved:
+            self._call2(self._h_on_checkpoint_saved, "on_checkpoint_saved", path, step)
+
+    def on_checkpoint_loaded(self, path: Path, step: int) -> None:
+        if self._h_on_checkpoint_loaded:
+            self._call2(self._h_on_checkpoint_loaded, "on_checkpoint_loaded", path, step)
+
+    def on_callback_disabled(self, name: str, reason: str) -> None:
+        if self._h_on_callback_disabled:
+            self._call2(self._h_on_callback_disabled, "on_callback_disabled", name, reason)
 
     def on_interrupt(self, error: BaseException) -> list[BaseException]:
         """Every callback's `on_interrupt` runs. Errors are logged, never raised here (an

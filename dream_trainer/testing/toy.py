@@ -101,7 +101,7 @@ class ToyTrainer(DreamTrainer):
 
     def apply_compile(self) -> None:
         for layer in (self.model[0], self.model[2]):
-            layer.compile()
+            self.compile_module(layer)
 
     def apply_tensor_parallel(self, tp_mesh: Any) -> None:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module

@@ -28,6 +28,8 @@ from dream_trainer.trainer.metrics import MetricsMixin
 from dream_trainer.trainer.preemption import EXIT_FAILED, EXIT_PREEMPTED, PreemptionMixin, TrainingInterrupted
 from dream_trainer.trainer.data import DataMixin, set_epoch
 from dream_trainer.trainer.state import StateMixin
+from dream_trainer.trainer.stepping import StepMixin, _needs_metric
+from dream_trainer.trainer.telemetry import StepStats
 from dream_trainer.utils import detach_result, seed_everything, to_device
 from dream_trainer.world.world import DistributedWorld
 
@@ -40,7 +42,7 @@ def _must_override(fn: Any) -> Any:
     return fn
 
 
-class BaseTrainer(MetricsMixin, DataMixin, StateMixin, PreemptionMixin):
+class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin, PreemptionMixin):
     """The training loop. See the lifecycle in the docs (``docs/lifecycle.md``).
 
     Attributes:
@@ -57,11 +59,7 @@ class BaseTrainer(MetricsMixin, DataMixin, StateMixin, PreemptionMixin):
         self.training_parameters = config.training_parameters
         self.logging_parameters = config.logging_parameters
         self.world = DistributedWorld(config.device_parameters)  # a bad mesh plan fails here
-        if self.world.plan.cp > 1:
-            raise ValueError(
-                f"DeviceParameters.context_parallel={self.world.plan.cp}: context parallelism is not "
-                "applied by dream_trainer yet; use context_parallel=1"
-            )
+        _check_plan(self.world)
         cbs = config.callbacks
         self.callbacks = cbs if isinstance(cbs, CallbackCollection) else CallbackCollection(cbs)
         self.is_accumulating_gradients = False
@@ -79,7 +77,14 @@ class BaseTrainer(MetricsMixin, DataMixin, StateMixin, PreemptionMixin):
         self._log_gate: bool | None = None  # None outside a step: log_dict always logs
         self._val_sums: dict[str, list[Any]] = {}
         self._pending_logs: dict[str, Any] = {}
-        self._grad_norms: dict[str, torch.Tensor] = {}
+        self._log_queue: list[dict[str, Any]] | None = None  # set while on_log runs: logs made there
+        self.step_stats = StepStats()
+        self.skipped_steps = self.skipped_batches = 0
+        self._skip_reason: str | None = None
+        self._skip_flag: tuple[torch.Tensor, str] | None = None
+        self._skip_batch_reason: str | None = None
+        self._grad_norm_wanted = self._stepped = self._step_open = False
+        self._step_end = self._fetch_start = 0.0
         self._optimizer_params: dict[int, list[nn.Parameter]] = {}
         self._optimizer_models: dict[int, nn.Module | None] = {}
         self._optimizer_schedulers: dict[int, list[Any]] = {}
@@ -96,6 +101,17 @@ class BaseTrainer(MetricsMixin, DataMixin, StateMixin, PreemptionMixin):
         self._timeout_relaxed = False
         self._epoch_start_state: dict[str, Any] | None = None
         self._resume_epoch_start: dict[str, Any] | None = None
+
+    def set_world(self, world: DistributedWorld) -> None:
+        """Use `world` instead of the one built from the config: call it in `pre_launch`
+        (a callback supplying a fault-tolerant world, a DDP fallback). Its plan, device and
+        `DeviceParameters` are then the run's."""
+        if not isinstance(world, DistributedWorld):
+            raise TypeError(f"set_world() takes a DistributedWorld, got {type(world).__name__}")
+        if self.world.launched:
+            raise RuntimeError("set_world() must be called before the world is launched (in pre_launch)")
+        _check_plan(world)
+        self.world = world
 
     required_methods: ClassVar[tuple[str, ...]] = ("configure", "training_step")
     """Methods a subclass must implement; checked when `fit()` starts, before anything is built."""
@@ -262,7 +278,7 @@ class BaseTrainer(MetricsMixin, DataMixin, StateMixin, PreemptionMixin):
     # ================================================================== training
     def _train_epoch(self) -> dict[str, Any]:
         tp, cb = self.training_parameters, self.callbacks
-        accumulation, log_every = tp.gradient_accumulation_steps, self.logging_parameters.log_every_n_steps
+        accumulation = tp.gradient_accumulation_steps
         move = self.world.device.type != "cpu"
         for model in self.named_models().values():
             model.train()
@@ -270,6 +286,7 @@ class BaseTrainer(MetricsMixin, DataMixin, StateMixin, PreemptionMixin):
         loss_sum: torch.Tensor | None = None  # a running sum on the device: no per-step list
         n_losses = 0
         start = batch_idx = self.local_batches - 1  # > -1 when resuming mid-epoch
+        self._fetch_start = self._step_end = time.perf_counter()  # the first wait includes making the iterator
         try:
             for batch_idx, (batch, is_last) in enumerate(self._epoch_batches(), self.local_batches):
                 self.local_batches = batch_idx + 1
@@ -277,37 +294,42 @@ class BaseTrainer(MetricsMixin, DataMixin, StateMixin, PreemptionMixin):
                 self.is_last_batch = is_last or (
                     not accumulating and tp.max_steps is not None and self.global_step + 1 >= tp.max_steps
                 )
-                self._log_gate = not accumulating and (self.global_step + 1) % log_every == 0
+                self._log_gate = not accumulating and self._log_step_kind(self.global_step + 1) > 0
+                self._batch_arrived(batch)
                 if move:
                     batch = to_device(batch, self.world.device)
                 cb.pre_train_step(batch, batch_idx)
-                result = self._run_step(self.training_step, batch, batch_idx, "train_context", accumulating)
+                skipped = cb.skips_batches and self._skip_batch(ends_step=not accumulating)
+                if not skipped:
+                    result = self._run_step(self.training_step, batch, batch_idx, "train_context", accumulating)
+                    self.step_stats.add_loss(result.get("loss"))
                 if not accumulating:
-                    self.global_step += 1
-                    if not self._timeout_relaxed:  # the first step of this fit(), also after a resume
-                        self._timeout_relaxed = True
-                        self.world.relax_timeout()
-                cb.post_train_step(result, batch_idx)
-                loss = result.get("loss")
-                if isinstance(loss, torch.Tensor) and loss.ndim == 0:
-                    loss_sum = loss.float() if loss_sum is None else loss_sum + loss.float()
-                    n_losses += 1
-                if self._log_gate:
-                    self._log_train_step(result)
+                    self._end_step()
+                if not skipped:
+                    cb.post_train_step(result, batch_idx)
+                    loss = result.get("loss")
+                    if isinstance(loss, torch.Tensor) and loss.ndim == 0:
+                        loss_sum = loss.float() if loss_sum is None else loss_sum + loss.float()
+                        n_losses += 1
+                if self._log_gate and not self.step_skipped:
+                    self._log_train_step(result if not skipped else {})
                 self._log_gate = None
                 if not accumulating:
                     validated = self.validation_due
                     if validated:
                         self._validate()
+                        self._step_end = time.perf_counter()  # a step's time leaves validation out
                     self._control_point(blocking=validated)
                     if tp.max_steps is not None and self.global_step >= tp.max_steps:
                         break
+                self._fetch_start = time.perf_counter()
             else:
                 self._epoch_complete = True  # not cut short by max_steps: a resume starts the next epoch
         finally:  # also when a step raises (StopTraining, a failure): no stale per-step flag
             self._log_gate = None
-            self._pending_logs = {}
             self.is_accumulating_gradients = self.is_last_batch = False
+            self._step_open = False
+        self._flush_pending_logs()  # values logged since the last log step: not dropped
         if batch_idx == start == -1:
             raise ValueError(
                 f"the training dataloader yielded no batches in epoch {self.current_epoch} "
@@ -321,9 +343,13 @@ class BaseTrainer(MetricsMixin, DataMixin, StateMixin, PreemptionMixin):
 
     @property
     def validation_due(self) -> bool:
-        """Whether the loop validates at the end of the current optimizer step."""
+        """Whether the loop validates at the end of the current optimizer step (never after
+        a skipped step: ``global_step`` did not advance)."""
         every = self.training_parameters.val_every_n_steps
-        return every is not None and self.val_dataloader is not None and self.global_step % every == 0
+        return (
+            every is not None and self.val_dataloader is not None and self.global_step % every == 0
+            and not self.step_skipped
+        )
 
     def _run_step(self, fn: Any, batch: Any, batch_idx: int, context_hook: str, no_sync: bool) -> dict[str, Any]:
         """Call a step function inside the world's and the callbacks' contexts."""
@@ -340,69 +366,6 @@ class BaseTrainer(MetricsMixin, DataMixin, StateMixin, PreemptionMixin):
             for ctx in self.callbacks.contexts(context_hook):
                 stack.enter_context(ctx)
             return detach_result(fn(batch, batch_idx), fn.__name__)
-
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward()``, scaled by 1/gradient_accumulation_steps when accumulating."""
-        accumulation = self.training_parameters.gradient_accumulation_steps
-        if accumulation > 1:
-            loss = loss / accumulation
-        loss.backward(**kwargs)
-
-    def step(self, optimizer: Optimizer, model: nn.Module | None = None) -> torch.Tensor | None:
-        """Clip, step and zero `optimizer`, then step its schedulers; a no-op while
-        accumulating. Returns the gradient norm when one was computed (a device tensor)."""
-        if self.is_accumulating_gradients:
-            return None
-        key = id(optimizer)
-        if key not in self._optimizer_params:
-            self._optimizer_params[key] = [p for g in optimizer.param_groups for p in g["params"]]
-            self._optimizer_models[key] = self.model_for(optimizer)
-            self._optimizer_names[key] = self._optimizer_name(optimizer)
-            self._optimizer_schedulers[key] = [
-                s for s in self.named_schedulers().values() if s.optimizer is optimizer and not _needs_metric(s)
-            ]
-        model = model if model is not None else self._optimizer_models[key]
-        norm = None
-        clip = self.training_parameters.gradient_clip_val
-        if clip is not None:
-            norm = self.world.clip_grad_norm_(self._optimizer_params[key], clip)
-        elif self._log_gate and self.logging_parameters.log_grad_norm:
-            norm = self.world.total_gradient_norm(self._optimizer_params[key])
-        if norm is not None:
-            self._grad_norms[self._optimizer_names[key]] = norm
-        cb = self.callbacks
-        cb.pre_optimizer_step(model, optimizer)  # type: ignore[arg-type]
-        optimizer.step()
-        cb.post_optimizer_step(model, optimizer)  # type: ignore[arg-type]
-        cb.pre_optimizer_zero_grad(model, optimizer)  # type: ignore[arg-type]
-        optimizer.zero_grad(set_to_none=True)
-        cb.post_optimizer_zero_grad(model, optimizer)  # type: ignore[arg-type]
-        for scheduler in self._optimizer_schedulers[key]:
-            scheduler.step()
-        return norm
-
-    def _optimizer_name(self, optimizer: Optimizer) -> str:
-        for name, opt in self.named_optimizers().items():
-            if opt is optimizer:
-                return name
-        return f"optimizer_{id(optimizer):x}"
-
-    @contextmanager
-    def no_gradient_sync(self) -> Iterator[None]:
-        """Skip gradient communication for the backward passes inside (accumulation
-        micro-steps). Applies to FSDP2/``replicate`` modules; a no-op otherwise."""
-        modules = [m for m in self.named_models().values() if hasattr(m, "set_requires_gradient_sync")]
-        for module in modules:
-            module.set_requires_gradient_sync(False)
-            if hasattr(module, "set_is_last_backward"):
-                module.set_is_last_backward(False)
-        try:
-            yield
-        finally:
-            for module in modules:
-                module.set_requires_gradient_sync(True)
-                if hasattr(module, "set_is_last_backward"):
-                    module.set_is_last_backward(True)
 
     # ================================================================== validation
     @torch.no_grad()
@@ -427,6 +390,7 @@ class BaseTrainer(MetricsMixin, DataMixin, StateMixin, PreemptionMixin):
                 cb.post_validation_step(result, batch_idx)
                 self._accumulate({f"val/{k}" if "/" not in k else k: v for k, v in result.items()})
             means = self._reduced_means()
+            self.validating = False  # from here, log_dict logs at once (not into the means)
             if not sanity:
                 self._last_val_step = self.global_step
                 self._dispatch_log(means)
@@ -483,5 +447,9 @@ class BaseTrainer(MetricsMixin, DataMixin, StateMixin, PreemptionMixin):
             self.run_dir.mkdir(parents=True, exist_ok=True)
 
 
-def _needs_metric(scheduler: Any) -> bool:
-    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+def _check_plan(world: DistributedWorld) -> None:
+    if world.plan.cp > 1:
+        raise ValueError(
+            f"DeviceParameters.context_parallel={world.plan.cp}: context parallelism is not applied by "
+            "dream_trainer yet; use context_parallel=1"
+        )

@@ -3,13 +3,18 @@
 ``configure()`` runs, in this order::
 
     configure_models()            under the meta device: no memory, no init cost
+    callbacks.post_configure_models(models)   still on meta: callbacks may replace modules
     apply_tensor_parallel(tp)     if tensor_parallel > 1
     apply_activation_checkpointing()   if checkpoint_activations
     apply_compile()               if compile_model
     apply_fully_shard(cfg)        if dp_shard > 1      (FSDP2 / HSDP)
       or apply_replicate(dp)      if dp_replicate > 1  (DDP)
     materialize on the world's device, seed, init_weights()
+    callbacks.post_init_weights(models)       initialize what a callback added
     configure_optimizers() -> configure_schedulers() -> configure_dataloaders()
+
+What was compiled and what was sharded is recorded: ``trainer.compiled_modules`` and
+``trainer.fsdp_modules(model)``.
 
 Each ``apply_*`` hook is called only when its option is enabled; if the configuration
 needs one the subclass does not implement, configure fails before building anything.
@@ -18,21 +23,66 @@ needs one the subclass does not implement, configure fails before building anyth
 from __future__ import annotations
 
 import itertools
+import logging
 import warnings
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dream_trainer.trainer.base import BaseTrainer, _must_override
 from dream_trainer.utils import seed_everything
 
+logger = logging.getLogger(__name__)
+
+
+class CompiledModule(NamedTuple):
+    """What `DreamTrainer.compiled_modules` records for each compiled region."""
+
+    module: nn.Module
+    """The module as written (its ``forward`` is what ``torch.compile`` traces)."""
+    options: dict[str, Any] | None
+    """The ``torch.compile`` options it was compiled with (None: compiled outside
+    `compile_module`, options unknown)."""
+
 
 class DreamTrainer(BaseTrainer):
-    """A trainer that builds models on the meta device and parallelizes them from config."""
+    """A trainer that builds models on the meta device and parallelizes them from config.
+
+    Attributes:
+        compiled_modules: the compiled regions, ``{"<model>.<submodule path>": CompiledModule}``
+            in module order (empty when nothing was compiled): what `apply_compile` compiled,
+            through `compile_module` or ``module.compile()``.
+    """
 
     required_methods = ("configure_models", "configure_optimizers", "configure_dataloaders", "training_step")
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self.compiled_modules: dict[str, CompiledModule] = {}
+        self._compile_options: dict[int, dict[str, Any]] = {}
+        self._fsdp_modules: dict[str, dict[str, nn.Module]] = {}
+
+    def compile_module(self, module: nn.Module, **options: Any) -> None:
+        """``module.compile(**options)`` (in place), recorded in `compiled_modules` with its
+        options. Use it in `apply_compile`."""
+        self._compile_options[id(module)] = dict(options)
+        module.compile(**options)
+
+    def fsdp_modules(self, model: str | nn.Module) -> dict[str, nn.Module]:
+        """The modules ``fully_shard`` was applied to in `model` (a name or the model),
+        ``{submodule path: module}`` in module order, the root (``""``) first. Empty when
+        the model is not sharded."""
+        if isinstance(model, nn.Module):
+            names = [name for name, m in self.named_models().items() if m is model]
+            if not names:
+                raise KeyError(f"{type(model).__name__} is not a model of this trainer: {list(self.named_models())}")
+            model = names[0]
+        if model not in self.named_models():
+            raise KeyError(f"no model named {model!r}; the trainer has: {list(self.named_models())}")
+        return dict(self._fsdp_modules.get(model, {}))
 
     # ================================================================== user hooks
     @_must_override
@@ -105,7 +155,8 @@ class DreamTrainer(BaseTrainer):
             )
 
     def configure(self) -> None:
-        params, plan, world = self.config.device_parameters, self.world.plan, self.world
+        world = self.world  # the config's, or one a callback set in pre_launch
+        params, plan = world.device_parameters, world.plan
         # Fail before building anything when a needed hook is missing.
         if plan.tp > 1:
             self._require("apply_tensor_parallel", f"DeviceParameters.tensor_parallel={plan.tp}")
@@ -121,6 +172,8 @@ class DreamTrainer(BaseTrainer):
         models = self.named_models()
         if not models:
             raise ValueError(f"{type(self).__name__}.configure_models() set no nn.Module attribute")
+        with torch.device("meta"):  # what a callback builds here is on meta too
+            self.callbacks.post_configure_models(models)
 
         if plan.tp > 1:
             self.apply_tensor_parallel(world.get_mesh("tp"))
@@ -128,12 +181,16 @@ class DreamTrainer(BaseTrainer):
             self.apply_activation_checkpointing()
         if params.compile_model:
             self.apply_compile()
+            self._record_compiled()
         if plan.dp_shard > 1:
             self.apply_fully_shard(world.fsdp_config)
+            self._record_sharded()
         elif plan.dp_replicate > 1:
             self.apply_replicate(world.get_mesh("dp_replicate"))
 
         self.materialize()
+        with torch.no_grad():
+            self.callbacks.post_init_weights(self.named_models())
 
         self.configure_optimizers()
         if not self.named_optimizers():
@@ -147,6 +204,31 @@ class DreamTrainer(BaseTrainer):
                     f"or None, got {type(loaders).__name__}"
                 )
             self.train_dataloader, self.val_dataloader = loaders
+
+    def _record_compiled(self) -> None:
+        from torch._dynamo.eval_frame import OptimizedModule
+
+        self.compiled_modules = {}
+        for model_name, model in self.named_models().items():
+            for path, module in model.named_modules():
+                name = f"{model_name}.{path}" if path else model_name
+                if isinstance(module, OptimizedModule):  # torch.compile(module) assigned back
+                    self.compiled_modules[name] = CompiledModule(module._orig_mod, None)
+                elif getattr(module, "_compiled_call_impl", None) is not None:  # module.compile()
+                    self.compiled_modules[name] = CompiledModule(module, self._compile_options.get(id(module)))
+        if not self.compiled_modules:
+            logger.warning(
+                "DeviceParameters.compile_model=True but %s.apply_compile() compiled nothing this trainer can "
+                "see (use self.compile_module(module) or module.compile())", type(self).__name__
+            )
+
+    def _record_sharded(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self._fsdp_modules = {
+            model_name: {path: m for path, m in model.named_modules() if isinstance(m, FSDPModule)}
+            for model_name, model in self.named_models().items()
+        }
 
     def materialize(self) -> None:
         """Allocate the meta-device models on the world's device, seed, `init_weights()`,

@@ -1,13 +1,21 @@
 """`MetricsMixin`: the trainer's logging API (`log_dict`, `log_scalar`) and the metrics it
-logs by itself. A mixin of `BaseTrainer` (no ``__init__``; its attributes are set there)."""
+logs by itself. A mixin of `BaseTrainer` (no ``__init__``; its attributes are set there).
+
+Nothing logged is lost silently: a value that is not a number raises at the call; a value
+logged on a step that is not a log step is kept (the latest per name) and sent at the next
+log step or at the end of the epoch; a value logged from `on_log` is sent right after the
+dispatch under way, under the same step.
+"""
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
 
 from dream_trainer.trainer.abstract import AbstractTrainer
+from dream_trainer.trainer.telemetry import StepStats
 from dream_trainer.utils import to_floats
 
 
@@ -17,7 +25,8 @@ class MetricsMixin(AbstractTrainer):
     _log_gate: bool | None
     _val_sums: dict[str, list[Any]]
     _pending_logs: dict[str, Any]
-    _grad_norms: dict[str, torch.Tensor]
+    _log_queue: list[dict[str, Any]] | None
+    step_stats: StepStats
     validating: bool
     sanity_checking: bool
 
@@ -42,24 +51,37 @@ class MetricsMixin(AbstractTrainer):
 
     @property
     def is_log_step(self) -> bool:
-        """Whether `log_dict` values are logged now (False on non-log steps)."""
+        """Whether `log_dict` values are sent to `on_log` now. False inside a step that is
+        not a log step (the values are then kept for the next one): skip expensive metrics."""
         return self._log_gate is not False
 
-    def log_dict(self, metrics: dict[str, Any]) -> None:
-        """Record metrics and send them to every callback's `on_log`.
+    def _log_step_kind(self, step: int) -> int:
+        """2: a log step of the trainer (its own metrics are logged); 1: a log step of a
+        callback's own interval (only what was logged is sent); 0: not a log step."""
+        if step % self.logging_parameters.log_every_n_steps == 0:  # type: ignore[attr-defined]
+            return 2
+        return 1 if any(step % interval == 0 for interval in self.callbacks.log_intervals) else 0
 
-        Inside a training step (and its callbacks), values are read from the device only on
-        log steps (every ``log_every_n_steps``), together with the step's own metrics and
-        under its step number; on other steps the call returns at once without a sync.
-        During validation they are averaged over the run and logged once at its end.
+    def log_dict(self, metrics: dict[str, Any]) -> None:
+        """Record metrics and send them to every callback's `on_log`, from any hook.
+
+        Values are numbers or one-element tensors; anything else raises `TypeError` here.
+        Inside a training step (and its callbacks) tensors are read from the device only on
+        log steps, together with the step's own metrics and under its step number; on other
+        steps the call keeps the value (the latest per name) for the next log step — or the
+        end of the epoch — without a sync. During validation the values are averaged over
+        the run and logged at its end.
         """
-        if self.validating:
-            if not self.sanity_checking:
-                self._accumulate(metrics)
+        _check_metrics(metrics)
+        if self.sanity_checking:  # the sanity run is not a measurement
             return
-        if self._log_gate is None:  # outside a training step: log now
-            self._dispatch_log(metrics)
-        elif self._log_gate:  # a log step: sent with the step's own metrics, one sync
+        if self.validating:
+            self._accumulate(metrics)
+            return
+        if self._log_gate is None:  # outside a training step: log now (with what was kept)
+            self._dispatch_log({**self._pending_logs, **metrics})
+            self._pending_logs = {}
+        else:  # sent after post_train_step on a log step, one sync for all
             self._pending_logs.update(metrics)
 
     def log_scalar(self, name: str, value: Any) -> None:
@@ -69,24 +91,74 @@ class MetricsMixin(AbstractTrainer):
     def _dispatch_log(self, metrics: dict[str, Any]) -> None:
         if not metrics:
             return
-        floats = to_floats(metrics)
-        self.logged_metrics.update(floats)
-        self.callbacks.on_log(floats, self.global_step)
+        if self._log_queue is not None:  # logged from an on_log: sent after this dispatch
+            self._log_queue.append(metrics)
+            return
+        self._log_queue = [metrics]
+        try:
+            while self._log_queue:
+                floats = to_floats(self._log_queue.pop(0))
+                self.logged_metrics.update(floats)
+                self.callbacks.on_log(floats, self.global_step)
+        finally:
+            self._log_queue = None
+
+    def _flush_pending_logs(self) -> None:
+        pending, self._pending_logs = self._pending_logs, {}
+        self._dispatch_log(pending)
 
     def _log_train_step(self, result: dict[str, Any]) -> None:
-        """What the trainer logs by itself on a log step: the step's scalar results
-        (averaged over data-parallel ranks), learning rates and gradient norms."""
-        scalars = {f"train/{k}": v for k, v in result.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
-        if scalars and self.world.dp_size > 1:
-            stacked = self.world.all_reduce(torch.stack([v.float().reshape(()) for v in scalars.values()]), "mean")
-            scalars = dict(zip(scalars, stacked.unbind()))
-        metrics: dict[str, Any] = {**scalars, "train/epoch": float(self.current_epoch), **self._pending_logs}
+        """What the trainer logs by itself on its log steps: the step's scalar results
+        (averaged over data-parallel ranks), the learning rate the step used and gradient
+        norms; on a callback's own log steps, only what was logged."""
+        metrics: dict[str, Any] = {}
+        if self._log_step_kind(self.global_step) == 2:
+            metrics = self._own_step_metrics(result)
+        metrics.update(self._pending_logs)
         self._pending_logs = {}
-        if self.logging_parameters.log_lr:
-            optimizers = self.named_optimizers()
-            for name, opt in optimizers.items():
-                metrics["train/lr" if len(optimizers) == 1 else f"train/lr/{name}"] = opt.param_groups[0]["lr"]
-        for name, norm in self._grad_norms.items():
-            metrics["train/grad_norm" if len(self._grad_norms) == 1 else f"train/grad_norm/{name}"] = norm
-        self._grad_norms = {}
         self._dispatch_log(metrics)
+
+    def _own_step_metrics(self, result: dict[str, Any]) -> dict[str, Any]:
+        stats, world = self.step_stats, self.world
+        scalars = {f"train/{k}": v for k, v in result.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
+        if world.dp_size > 1:  # one all-reduce: the metrics' means and the samples/tokens totals
+            values = [v.float().reshape(()) for v in scalars.values()]
+            device = values[0].device if values else world.device
+            counts = torch.tensor([stats.total_samples, stats.total_tokens or 0], dtype=torch.float64)
+            stacked = torch.cat([torch.stack(values) if values else torch.zeros(0, device=device),
+                                 counts.to(device=device, dtype=torch.float32)])
+            world.all_reduce(stacked, "sum")
+            n = len(values)
+            scalars = dict(zip(scalars, (stacked[:n] / world.world_size).unbind()))
+            per_dp = world.world_size // world.dp_size  # ranks that share one data shard (TP, CP)
+            totals = stacked[n:].tolist()  # read with the metrics anyway: this is a log step
+            stats.world_samples = int(round(totals[0])) // per_dp
+            stats.world_tokens = int(round(totals[1])) // per_dp if stats.total_tokens is not None else None
+        else:
+            stats.world_samples, stats.world_tokens = stats.total_samples, stats.total_tokens
+        metrics: dict[str, Any] = {**scalars, "train/epoch": float(self.current_epoch)}
+        if self.logging_parameters.log_lr:  # type: ignore[attr-defined]
+            for name, lr in stats.lr.items():
+                metrics["train/lr" if len(stats.lr) == 1 else f"train/lr/{name}"] = lr
+        params = self.logging_parameters, self.training_parameters  # type: ignore[attr-defined]
+        if params[0].log_grad_norm or params[1].gradient_clip_val is not None:
+            for name, norm in stats.grad_norm.items():
+                metrics["train/grad_norm" if len(stats.grad_norm) == 1 else f"train/grad_norm/{name}"] = norm
+        return metrics
+
+
+def _check_metrics(metrics: Any) -> None:
+    """`TypeError` at the call for what cannot be logged (it would break every sink later)."""
+    if not isinstance(metrics, dict):
+        raise TypeError(f"log_dict takes a dict of name -> number, got {type(metrics).__name__}")
+    for name, value in metrics.items():
+        if not isinstance(name, str):
+            raise TypeError(f"metric names are strings, got {name!r} ({type(name).__name__})")
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1 or value.dtype.is_complex:
+                raise TypeError(
+                    f"metric {name!r}: a tensor of shape {tuple(value.shape)} and dtype {value.dtype} cannot be "
+                    "logged; log a one-element real tensor (e.g. its mean)"
+                )
+        elif not isinstance(value, numbers.Real):
+            raise TypeError(f"metric {name!r}={value!r} ({type(value).__name__}) is not a number or a one-element tensor")

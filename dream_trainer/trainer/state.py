@@ -59,6 +59,8 @@ class StateMixin(AbstractTrainer):
                 "epoch_complete": self._epoch_complete,
                 "last_val_step": -1 if self._last_val_step is None else self._last_val_step,
                 "callbacks": pickle.dumps(sorted(callbacks)),  # whose state is saved (see load)
+                "skipped_steps": self.skipped_steps,  # type: ignore[attr-defined]  (StepMixin)
+                "skipped_batches": self.skipped_batches,  # type: ignore[attr-defined]
             },
             "models": {name: get_model_state_dict(m) for name, m in self.named_models().items()},
             "optimizers": optimizers,
@@ -103,6 +105,8 @@ class StateMixin(AbstractTrainer):
         self.local_batches = int(counters["local_batches"])
         last_val = int(counters.get("last_val_step", -1))
         self._last_val_step = None if last_val < 0 else last_val
+        self.skipped_steps = int(counters.get("skipped_steps", 0))
+        self.skipped_batches = int(counters.get("skipped_batches", 0))
         if counters.get("epoch_complete", False):  # saved after the epoch's last hooks ran
             self.current_epoch += 1
             self.local_batches = 0

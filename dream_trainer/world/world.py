@@ -93,6 +93,7 @@ class DistributedWorld:
         self._owns_process_group = False
         self._launched = False
         self._groups: list[Any] = []
+        self._dp: tuple[int, int] | None = None  # (rank, size) on the launched mesh
         self._sockets: set[str] = set()  # socket inodes of this world's process groups
         self._timeout = timedelta(seconds=self.device_parameters.init_timeout_s)
 
@@ -151,6 +152,8 @@ class DistributedWorld:
             self._groups = [dist.group.WORLD, *self.mesh.get_all_groups()]
             if self.plan.dp_replicate * self.plan.dp_shard > 1 and min(self.plan.dp_replicate, self.plan.dp_shard) > 1:
                 self._groups.append(self.mesh[("dp_replicate", "dp_shard")]._flatten("dp").get_group())
+            dp_mesh = self.get_mesh("dp")
+            self._dp = (dp_mesh.get_local_rank(), dp_mesh.size())
             self._set_timeout(timeout)
         except BaseException:
             self._track_sockets(before)
@@ -207,6 +210,7 @@ class DistributedWorld:
         process-group timeout or this process's exit)."""
         self.mesh = None
         self._groups = []
+        self._dp = None
         if self._owns_process_group and dist.is_initialized():
             try:
                 if abort and "nccl" in self.backend:
@@ -242,15 +246,22 @@ class DistributedWorld:
         return self.mesh[dims if len(dims) > 1 else dims[0]]
 
     @property
+    def launched(self) -> bool:
+        """Whether `launch` ran (and `teardown` has not)."""
+        return self._launched
+
+    @property
     def dp_size(self) -> int:
-        """Number of data-parallel ranks (each reads its own shard of the data)."""
-        return self.plan.dp
+        """Number of data-parallel ranks (each reads its own shard of the data): from the
+        launched mesh's data-parallel dimension (before launch: from the plan)."""
+        return self._dp[1] if self._dp is not None else self.plan.dp
 
     @property
     def dp_rank(self) -> int:
-        """This rank's index among the data-parallel ranks (the mesh is laid out
-        ``dp_replicate x dp_shard x cp x tp``, row-major)."""
-        return self.rank // (self.plan.cp * self.plan.tp)
+        """This rank's index among the data-parallel ranks: its coordinate on the launched
+        mesh's data-parallel dimension (before launch: from the plan, the mesh being laid
+        out ``dp_replicate x dp_shard x cp x tp``, row-major)."""
+        return self._dp[0] if self._dp is not None else self.rank // (self.plan.cp * self.plan.tp)
 
     @property
     def fsdp_config(self) -> dict[str, Any]:

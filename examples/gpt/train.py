@@ -82,7 +82,7 @@ class GPTTrainer(DreamTrainer):
 
     def apply_compile(self) -> None:
         for block in self.model.blocks:
-            block.compile()  # per block: small graphs, compiled once and reused by every block
+            self.compile_module(block)  # per block: small graphs, compiled once and reused by every block
 
     def apply_fully_shard(self, fsdp_config: dict[str, Any]) -> None:
         from torch.distributed.fsdp import fully_shard

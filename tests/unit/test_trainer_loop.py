@@ -65,7 +65,8 @@ def test_hook_order_two_epochs_accumulation_and_validation():
     )
     trainer.fit()
     expected = (
-        ["pre_launch", "pre_configure", "post_configure", "pre_setup", "post_setup", "pre_fit"]
+        ["pre_launch", "pre_configure", "post_configure_models", "post_init_weights", "post_configure",
+         "pre_setup", "post_setup", "pre_fit"]
         + validation(1, log=False)  # sanity check: not logged
         # epoch 0: steps 1, 2 (log + validation), 3; then epoch-end validation
         + ["pre_epoch", "pre_train_epoch"]

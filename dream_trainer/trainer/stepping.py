@@ -1,0 +1,264 @@
+"""`StepMixin`: the optimizer step and step control — ``backward``, ``step`` (clip, hooks,
+update, zero, schedulers), vetoed steps and skipped batches agreed by every rank, and the
+per-step telemetry they record (`StepStats`). A mixin of `BaseTrainer` (no ``__init__``;
+its attributes are set there).
+
+Step control is armed only when something may use it (``vetoes_steps``/``skips_batches`` on
+a callback or on the trainer class): then each optimizer step (each batch) costs one MAX
+all-reduce of one int on the CPU, a host wait but no device sync. A device-side decision
+(`skip_step_if`) is read to the host once, on that step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from dream_trainer.trainer.abstract import AbstractTrainer
+from dream_trainer.trainer.telemetry import StepStats, count_batch
+
+logger = logging.getLogger(__name__)
+
+
+class StepMixin(AbstractTrainer):
+    """The optimizer step, step control and step telemetry."""
+
+    vetoes_steps: ClassVar[bool] = False
+    """Set True on a trainer class whose own code (``training_step``) calls `skip_step`."""
+
+    step_stats: StepStats
+    is_accumulating_gradients: bool
+    _log_gate: bool | None
+    _optimizer_params: dict[int, list[nn.Parameter]]
+    _optimizer_models: dict[int, nn.Module | None]
+    _optimizer_schedulers: dict[int, list[Any]]
+    _optimizer_names: dict[int, str]
+    _skip_reason: str | None
+    _skip_flag: tuple[torch.Tensor, str] | None
+    _skip_batch_reason: str | None
+    _grad_norm_wanted: bool
+    _stepped: bool
+    _step_open: bool
+    _step_end: float
+    _fetch_start: float
+    _timeout_relaxed: bool
+    skipped_steps: int
+    skipped_batches: int
+
+    # ------------------------------------------------------------------ user API
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``, scaled by 1/gradient_accumulation_steps when accumulating."""
+        accumulation = self.training_parameters.gradient_accumulation_steps  # type: ignore[attr-defined]
+        if accumulation > 1:
+            loss = loss / accumulation
+        loss.backward(**kwargs)
+
+    def step(self, optimizer: Optimizer, model: nn.Module | None = None) -> torch.Tensor | None:
+        """Clip, step and zero `optimizer`, then step its schedulers; a no-op while
+        accumulating. A step vetoed on any rank (`skip_step`, `pre_optimizer_step`
+        returning False) is skipped on every rank: no update, no scheduler step, gradients
+        dropped. Returns the gradient norm when one was computed (a device tensor)."""
+        if self.is_accumulating_gradients:
+            return None
+        key = id(optimizer)
+        if key not in self._optimizer_params:
+            self._optimizer_params[key] = [p for g in optimizer.param_groups for p in g["params"]]
+            self._optimizer_models[key] = self.model_for(optimizer)
+            self._optimizer_names[key] = self._optimizer_name(optimizer)
+            self._optimizer_schedulers[key] = [
+                s for s in self.named_schedulers().values() if s.optimizer is optimizer and not _needs_metric(s)
+            ]
+        model = model if model is not None else self._optimizer_models[key]
+        name, stats, world = self._optimizer_names[key], self.step_stats, self.world
+        clip = self.training_parameters.gradient_clip_val  # type: ignore[attr-defined]
+        norm = None
+        if clip is not None:
+            norm = world.clip_grad_norm_(self._optimizer_params[key], clip)
+            stats.clipped[name] = norm > clip  # a device bool: no sync
+        elif self._grad_norm_wanted or (self._log_gate and self.logging_parameters.log_grad_norm):  # type: ignore[attr-defined]
+            norm = world.total_gradient_norm(self._optimizer_params[key])
+        if norm is not None:
+            stats.grad_norm[name] = norm
+        stats.lr[name] = optimizer.param_groups[0]["lr"]  # what this step uses (schedulers step after)
+        cb = self.callbacks
+        vetoes = cb.pre_optimizer_step(model, optimizer)  # type: ignore[arg-type]
+        if vetoes:
+            undeclared = [v for v in vetoes if not type(cb[v]).vetoes_steps]
+            if undeclared:
+                raise RuntimeError(
+                    f"callback(s) {undeclared} returned False from pre_optimizer_step (a veto) but do not declare "
+                    "vetoes_steps = True (the ranks agree on vetoed steps only then)"
+                )
+            self.skip_step(f"vetoed by {', '.join(vetoes)}")
+        reason = self._agreed_skip()
+        if reason is not None:
+            stats.skipped = reason
+            self._drop_gradients(model, optimizer)
+            return norm
+        optimizer.step()
+        self._stepped = True
+        cb.post_optimizer_step(model, optimizer)  # type: ignore[arg-type]
+        self._drop_gradients(model, optimizer)
+        for scheduler in self._optimizer_schedulers[key]:
+            scheduler.step()
+        return norm
+
+    def skip_step(self, reason: str = "skipped") -> None:
+        """Skip the coming optimizer step, on every rank (call it in ``training_step`` or
+        `pre_optimizer_step`, before ``self.step(optimizer)``). Needs ``vetoes_steps = True``
+        on the trainer class or on a callback."""
+        self._check_armed("skip_step")
+        if self._skip_reason is None:
+            self._skip_reason = str(reason)
+
+    def skip_step_if(self, flag: torch.Tensor, reason: str = "skipped") -> None:
+        """`skip_step` decided on the device: skip when `flag` (a bool/number tensor) is
+        true. Several calls are OR-ed; the flag is read to the host once, at the step."""
+        self._check_armed("skip_step_if")
+        flag = flag.detach().reshape(()).bool()
+        self._skip_flag = (flag, reason) if self._skip_flag is None else (self._skip_flag[0] | flag, self._skip_flag[1])
+
+    def request_skip_batch(self, reason: str = "batch skipped") -> None:
+        """Skip the current batch on every rank (what `SkipBatch` raised from
+        `pre_train_step` does)."""
+        if self._skip_batch_reason is None:
+            self._skip_batch_reason = str(reason)
+
+    def request_grad_norm(self) -> None:
+        """Compute the pre-clip gradient norm on every step from now on
+        (``step_stats.grad_norm``), once per step for every reader."""
+        self._grad_norm_wanted = True
+
+    def count_batch(self, batch: Any) -> tuple[int, int | None]:
+        """``(samples, tokens)`` in a (micro-)batch, for ``step_stats`` and throughput.
+        Default: see `dream_trainer.trainer.telemetry.count_batch`. Override for other
+        layouts (e.g. padded sequences: count the non-padding tokens)."""
+        return count_batch(batch)
+
+    @contextmanager
+    def no_gradient_sync(self) -> Iterator[None]:
+        """Skip gradient communication for the backward passes inside (accumulation
+        micro-steps). Applies to FSDP2/``replicate`` modules; a no-op otherwise."""
+        modules = [m for m in self.named_models().values() if hasattr(m, "set_requires_gradient_sync")]
+        for module in modules:
+            module.set_requires_gradient_sync(False)
+            if hasattr(module, "set_is_last_backward"):
+                module.set_is_last_backward(False)
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.set_requires_gradient_sync(True)
+                if hasattr(module, "set_is_last_backward"):
+                    module.set_is_last_backward(True)
+
+    @property
+    def step_skipped(self) -> bool:
+        """Whether the optimizer step that just ended was skipped (a veto or a skipped
+        batch): ``global_step`` did not advance."""
+        return self.step_stats.skipped is not None and not self._stepped
+
+    # ------------------------------------------------------------------ the loop's side
+    def _batch_arrived(self, batch: Any) -> None:
+        """Telemetry of a new micro-batch (before it moves to the device): the data wait
+        since the previous batch was done, and its samples/tokens."""
+        stats, now = self.step_stats, time.perf_counter()
+        if not self._step_open:
+            stats.begin()
+            self._step_open, self._stepped = True, False
+        stats.data_wait_s += now - self._fetch_start
+        stats.count(*self.count_batch(batch))
+
+    def _skip_batch(self, ends_step: bool) -> bool:
+        """After `pre_train_step`: whether every rank skips this batch. A skipped batch that
+        ends an accumulation group drops the group's gradients (no optimizer step)."""
+        reason = self._agreed_batch_skip()
+        if reason is None:
+            return False
+        self.skipped_batches += 1
+        logger.info("batch %d of epoch %d skipped: %s", self.local_batches - 1, self.current_epoch, reason)
+        if ends_step:
+            self.step_stats.skipped = reason
+            for optimizer in self.named_optimizers().values():
+                self._drop_gradients(self.model_for(optimizer), optimizer)
+        return True
+
+    def _end_step(self) -> None:
+        """The end of an optimizer step (the last micro-batch of a group): advance
+        ``global_step`` unless the step was skipped, record its time."""
+        if self._skip_reason is not None or self._skip_flag is not None:
+            self._skip_reason = self._skip_flag = None
+            raise RuntimeError(
+                "skip_step() was called but no trainer.step(optimizer) followed in this step: call it in "
+                "training_step or pre_optimizer_step, before self.step(optimizer)"
+            )
+        stats = self.step_stats
+        if self.step_skipped:
+            self.skipped_steps += 1
+            logger.info("optimizer step %d skipped: %s", self.global_step + 1, stats.skipped)
+        else:
+            self.global_step += 1
+            if not self._timeout_relaxed:  # the first step of this fit(), also after a resume
+                self._timeout_relaxed = True
+                self.world.relax_timeout()
+        now = time.perf_counter()
+        stats.step, stats.step_time_s, self._step_end = self.global_step, now - self._step_end, now
+        self._step_open = False
+
+    # ------------------------------------------------------------------ plumbing
+    def _check_armed(self, what: str) -> None:
+        if not (self.vetoes_steps or self.callbacks.vetoes_steps):
+            raise RuntimeError(
+                f"trainer.{what}() needs vetoes_steps = True on the trainer class or on the callback that "
+                "calls it: the ranks then agree on every optimizer step"
+            )
+
+    def _agreed_skip(self) -> str | None:
+        """The skip decision of every rank for this optimizer step (None: step)."""
+        reason, flag = self._skip_reason, self._skip_flag
+        self._skip_reason = self._skip_flag = None
+        if not (self.vetoes_steps or self.callbacks.vetoes_steps):
+            return None
+        if flag is not None and reason is None and bool(flag[0]):  # the device decision, read once
+            reason = flag[1]
+        return self._agree(reason)
+
+    def _agreed_batch_skip(self) -> str | None:
+        reason, self._skip_batch_reason = self._skip_batch_reason, None
+        return self._agree(reason)
+
+    def _agree(self, reason: str | None) -> str | None:
+        """One MAX all-reduce of "does any rank skip" on the CPU; the reasons are gathered
+        only when one does."""
+        world = self.world
+        if world.world_size == 1:
+            return reason
+        flag = torch.tensor([int(reason is not None)], dtype=torch.int32)
+        world.all_reduce(flag, "max")
+        if not flag.item():  # a CPU tensor: no device sync
+            return None
+        reasons = [r for r in world.all_gather_object(reason) if r is not None]
+        return reasons[0] if reasons else "skipped on another rank"
+
+    def _drop_gradients(self, model: nn.Module | None, optimizer: Optimizer) -> None:
+        cb = self.callbacks
+        cb.pre_optimizer_zero_grad(model, optimizer)  # type: ignore[arg-type]
+        optimizer.zero_grad(set_to_none=True)
+        cb.post_optimizer_zero_grad(model, optimizer)  # type: ignore[arg-type]
+
+    def _optimizer_name(self, optimizer: Optimizer) -> str:
+        for name, opt in self.named_optimizers().items():
+            if opt is optimizer:
+                return name
+        return f"optimizer_{id(optimizer):x}"
+
+
+def _needs_metric(scheduler: Any) -> bool:
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)

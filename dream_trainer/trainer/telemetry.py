@@ -1,0 +1,116 @@
+"""`StepStats`: what the trainer measured in the optimizer step that just ended
+(``trainer.step_stats``), for monitors, progress displays and reports to read.
+
+Nothing here synchronizes with the device: losses, gradient norms and clip flags stay
+device tensors until a reader converts them (do it on log steps, ``trainer.is_log_step``);
+times are host clocks; sample and token counts come from the batches' shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class StepStats:
+    """Per-step telemetry. Filled during the step, complete from `post_train_step` on (the
+    counts and times also cover a skipped step; the gradient fields only a step that reached
+    ``trainer.step(optimizer)``).
+
+    Attributes:
+        step: the global step these stats belong to (unchanged by a skipped step).
+        micro_batches: micro-batches of this step (gradient accumulation).
+        loss_sum: the sum of the micro-batches' ``loss`` results (a device tensor), or None
+            when ``training_step`` returned no scalar ``loss``. See `loss`.
+        grad_norm: per optimizer name, the total gradient norm before clipping (a device
+            tensor). Computed when clipping, on log steps with ``log_grad_norm``, or on every
+            step once something called ``trainer.request_grad_norm()`` — once per step,
+            shared by every reader.
+        clipped: per optimizer name, whether clipping scaled the gradients (a device bool).
+        lr: per optimizer name, the learning rate this step used (its first param group's,
+            read before the schedulers stepped).
+        samples: samples in this step on this rank (``trainer.count_batch``).
+        tokens: tokens in this step on this rank, None when the batches have no token count.
+        total_samples: samples since `fit()` started, this rank.
+        total_tokens: tokens since `fit()` started, this rank (None: not counted).
+        world_samples: `total_samples` summed over data-parallel ranks, as of the last log
+            step of the trainer (refreshed there, inside the all-reduce the trainer makes
+            anyway to average the logged metrics).
+        world_tokens: the same for tokens.
+        step_time_s: wall time from the end of the previous step to the end of this one.
+        data_wait_s: the part of it spent waiting for the dataloader.
+        skipped: why this step was skipped (a veto, a skipped batch), else None.
+    """
+
+    step: int = 0
+    micro_batches: int = 0
+    loss_sum: torch.Tensor | None = None
+    grad_norm: dict[str, torch.Tensor] = field(default_factory=dict)
+    clipped: dict[str, torch.Tensor] = field(default_factory=dict)
+    lr: dict[str, float] = field(default_factory=dict)
+    samples: int = 0
+    tokens: int | None = None
+    total_samples: int = 0
+    total_tokens: int | None = None
+    world_samples: int = 0
+    world_tokens: int | None = None
+    step_time_s: float = 0.0
+    data_wait_s: float = 0.0
+    skipped: str | None = None
+
+    @property
+    def loss(self) -> torch.Tensor | None:
+        """The step's loss: the mean over its micro-batches (what the update minimized), a
+        device tensor."""
+        if self.loss_sum is None or not self.micro_batches:
+            return None
+        return self.loss_sum / self.micro_batches
+
+    def begin(self) -> None:
+        """Reset the per-step fields (the running totals stay)."""
+        self.micro_batches = self.samples = 0
+        self.loss_sum = self.tokens = self.skipped = None
+        self.grad_norm, self.clipped, self.lr = {}, {}, {}
+        self.data_wait_s = 0.0
+
+    def count(self, samples: int, tokens: int | None) -> None:
+        self.samples += samples
+        self.total_samples += samples
+        if tokens is not None:
+            self.tokens = (self.tokens or 0) + tokens
+            self.total_tokens = (self.total_tokens or 0) + tokens
+
+    def add_loss(self, loss: Any) -> None:
+        self.micro_batches += 1
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            value = loss.detach().float().reshape(())
+            self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
+
+
+def count_batch(batch: Any) -> tuple[int, int | None]:
+    """The default of ``trainer.count_batch``: samples = the first dimension of the batch's
+    first tensor; tokens = its first two dimensions' product when that tensor holds integer
+    ids of shape ``[batch, sequence, ...]``, else None."""
+    first = _first_tensor(batch)
+    if first is None or first.ndim == 0:
+        return 0, None
+    samples = int(first.shape[0])
+    if first.ndim >= 2 and not first.is_floating_point() and not first.is_complex() and first.dtype != torch.bool:
+        return samples, samples * int(first.shape[1])
+    return samples, None
+
+
+def _first_tensor(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
