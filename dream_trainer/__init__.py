@@ -21,7 +21,16 @@ from dream_trainer.configs import (
     TrainingParameters,
 )
 from dream_trainer.launch import LaunchResult, RunIdentity, entrypoint
-from dream_trainer.trainer import EXIT_FAILED, EXIT_PREEMPTED, AbstractTrainer, BaseTrainer, DreamTrainer, TrainingInterrupted
+from dream_trainer.trainer import (
+    EXIT_FAILED,
+    EXIT_PREEMPTED,
+    AbstractTrainer,
+    BaseTrainer,
+    CompiledModule,
+    DreamTrainer,
+    StepStats,
+    TrainingInterrupted,
+)
 from dream_trainer.world import DistributedWorld, MeshPlan, MeshPlanError, plan_mesh
 
 __version__ = "0.1.0"
@@ -39,6 +48,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointParameters",
+    "CompiledModule",
     "DeviceParameters",
     "DistributedWorld",
     "DreamTrainer",
@@ -51,6 +61,7 @@ __all__ = [
     "RankZeroCallback",
     "RunIdentity",
     "SkipBatch",
+    "StepStats",
     "StopTraining",
     "TrainerConfig",
     "TrainingInterrupted",

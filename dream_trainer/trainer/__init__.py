@@ -4,6 +4,16 @@
 from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.trainer.base import BaseTrainer
 from dream_trainer.trainer.preemption import EXIT_FAILED, EXIT_PREEMPTED, TrainingInterrupted
-from dream_trainer.trainer.dream import DreamTrainer
+from dream_trainer.trainer.dream import CompiledModule, DreamTrainer
+from dream_trainer.trainer.telemetry import StepStats
 
-__all__ = ["EXIT_FAILED", "EXIT_PREEMPTED", "AbstractTrainer", "BaseTrainer", "DreamTrainer", "TrainingInterrupted"]
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_PREEMPTED",
+    "AbstractTrainer",
+    "BaseTrainer",
+    "CompiledModule",
+    "DreamTrainer",
+    "StepStats",
+    "TrainingInterrupted",
+]

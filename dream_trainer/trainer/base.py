@@ -305,14 +305,16 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin, PreemptionMixi
                     self.step_stats.add_loss(result.get("loss"))
                 if not accumulating:
                     self._end_step()
+                log = self._log_gate and not self.step_skipped
+                own = self._own_step_metrics(result) if log and not skipped else {}
                 if not skipped:
                     cb.post_train_step(result, batch_idx)
                     loss = result.get("loss")
                     if isinstance(loss, torch.Tensor) and loss.ndim == 0:
                         loss_sum = loss.float() if loss_sum is None else loss_sum + loss.float()
                         n_losses += 1
-                if self._log_gate and not self.step_skipped:
-                    self._log_train_step(result if not skipped else {})
+                if log:
+                    self._log_train_step(own)
                 self._log_gate = None
                 if not accumulating:
                     validated = self.validation_due

@@ -79,8 +79,8 @@ class MetricsMixin(AbstractTrainer):
             self._accumulate(metrics)
             return
         if self._log_gate is None:  # outside a training step: log now (with what was kept)
-            self._dispatch_log({**self._pending_logs, **metrics})
-            self._pending_logs = {}
+            pending, self._pending_logs = self._pending_logs, {}
+            self._dispatch_log({**pending, **metrics})
         else:  # sent after post_train_step on a log step, one sync for all
             self._pending_logs.update(metrics)
 
@@ -107,18 +107,19 @@ class MetricsMixin(AbstractTrainer):
         pending, self._pending_logs = self._pending_logs, {}
         self._dispatch_log(pending)
 
-    def _log_train_step(self, result: dict[str, Any]) -> None:
-        """What the trainer logs by itself on its log steps: the step's scalar results
-        (averaged over data-parallel ranks), the learning rate the step used and gradient
-        norms; on a callback's own log steps, only what was logged."""
-        metrics: dict[str, Any] = {}
-        if self._log_step_kind(self.global_step) == 2:
-            metrics = self._own_step_metrics(result)
-        metrics.update(self._pending_logs)
+    def _log_train_step(self, own: dict[str, Any]) -> None:
+        """Send a log step's metrics: the trainer's own (`_own_step_metrics`, on its log
+        steps) with what was logged since the last log step, in one dispatch."""
+        metrics = {**own, **self._pending_logs}
         self._pending_logs = {}
         self._dispatch_log(metrics)
 
     def _own_step_metrics(self, result: dict[str, Any]) -> dict[str, Any]:
+        """What the trainer logs by itself on its log steps (made before `post_train_step`,
+        so ``step_stats.world_*`` are current there): the step's scalar results averaged
+        over ranks, the learning rate the step used and the gradient norms."""
+        if self._log_step_kind(self.global_step) != 2:
+            return {}
         stats, world = self.step_stats, self.world
         scalars = {f"train/{k}": v for k, v in result.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
         if world.dp_size > 1:  # one all-reduce: the metrics' means and the samples/tokens totals

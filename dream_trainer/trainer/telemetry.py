@@ -86,8 +86,9 @@ class StepStats:
     def add_loss(self, loss: Any) -> None:
         self.micro_batches += 1
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            value = loss.detach().float().reshape(())
-            self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
+            if loss.ndim or loss.requires_grad or loss.dtype != torch.float32:  # else: use it as it is
+                loss = loss.detach().float().reshape(())
+            self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
 
 
 def count_batch(batch: Any) -> tuple[int, int | None]:

@@ -104,10 +104,20 @@ class FailsOnRankOne(Callback):
             raise RuntimeError("flaky on rank 1")
 
 
+class Disabled(Callback):
+    """Listens for the disabling event (what a dashboard shows)."""
+
+    def __init__(self):
+        self.events = []
+
+    def on_callback_disabled(self, name, reason):
+        self.events.append((self.trainer.global_step, name, reason))
+
+
 def _failing_on_one_rank(root):
-    flaky = FailsOnRankOne()
-    trainer, _ = _fit(Path(root), [flaky], max_steps=12)
-    return trainer.status, trainer.global_step, flaky.calls, "FailsOnRankOne" in trainer.callbacks
+    flaky, listener = FailsOnRankOne(), Disabled()
+    trainer, _ = _fit(Path(root), [flaky, listener], max_steps=12)
+    return trainer.status, trainer.global_step, flaky.calls, "FailsOnRankOne" in trainer.callbacks, listener.events
 
 
 def test_failing_non_critical_callback_is_disabled_on_every_rank_at_once(tmp_path):
@@ -117,6 +127,7 @@ def test_failing_non_critical_callback_is_disabled_on_every_rank_at_once(tmp_pat
     # at the boundary after that (non-blocking agreement): both stop calling it after step 5.
     assert zero[2] == one[2] == [1, 2, 3, 4, 5]
     assert not zero[3] and not one[3]
+    assert zero[4] == one[4] == [(5, "FailsOnRankOne", "3 consecutive failures")]  # the event, on both ranks
 
 
 def _per_rank_state(root, max_steps):

@@ -26,7 +26,9 @@ def _run(device_parameters, batch_size, accumulation=1):
     trainer.fit()
     params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
               for k, v in trainer.model.state_dict().items()}
-    return {"params": params, "losses": torch.stack(trainer.step_losses), "steps": trainer.global_step}
+    compiled = {name: (isinstance(c.module, torch.nn.Linear), c.options) for name, c in trainer.compiled_modules.items()}
+    return {"params": params, "losses": torch.stack(trainer.step_losses), "steps": trainer.global_step,
+            "compiled_modules": compiled, "sharded": list(trainer.fsdp_modules("model"))}
 
 
 @contextlib.contextmanager
@@ -67,6 +69,9 @@ def test_accumulation_skips_communication_and_compile_matches_eager():
     for name, value in one["params"].items():  # and the result is the same
         torch.testing.assert_close(two["params"][name], value, atol=ATOL, rtol=RTOL)
     compiled, eager = r0["compiled"], one
+    # what was compiled is recorded (what graph-break finding needs), the sharding too
+    assert compiled["compiled_modules"] == {"model.0": (True, {}), "model.2": (True, {})}
+    assert eager["compiled_modules"] == {} and compiled["sharded"] == eager["sharded"] == ["", "0", "2"]
     torch.testing.assert_close(compiled["losses"], eager["losses"], atol=ATOL, rtol=RTOL)
     for name, value in eager["params"].items():
         torch.testing.assert_close(compiled["params"][name], value, atol=ATOL, rtol=RTOL)
