@@ -18,12 +18,22 @@ from dream_trainer.callbacks.collection import CallbackCollection, CallbackDepen
 
 if TYPE_CHECKING:
     from dream_trainer.callbacks.checkpoint import CheckpointCallback
+    from dream_trainer.callbacks.compile_monitor import CompileMonitor
+    from dream_trainer.callbacks.graph_breaks import FindGraphBreaksCallback
     from dream_trainer.callbacks.logger import LoggerCallback
+    from dream_trainer.callbacks.optimize_fsdp import OptimizeFSDP
+    from dream_trainer.callbacks.performance import PerformanceReport
+    from dream_trainer.callbacks.profile import ProfileCallback
     from dream_trainer.callbacks.progress import ProgressBar
 
 _SHIPPED = {
     "CheckpointCallback": "dream_trainer.callbacks.checkpoint",
+    "CompileMonitor": "dream_trainer.callbacks.compile_monitor",
+    "FindGraphBreaksCallback": "dream_trainer.callbacks.graph_breaks",
     "LoggerCallback": "dream_trainer.callbacks.logger",
+    "OptimizeFSDP": "dream_trainer.callbacks.optimize_fsdp",
+    "PerformanceReport": "dream_trainer.callbacks.performance",
+    "ProfileCallback": "dream_trainer.callbacks.profile",
     "ProgressBar": "dream_trainer.callbacks.progress",
 }
 
@@ -34,7 +44,12 @@ __all__ = [
     "CallbackCollection",
     "CallbackDependencyError",
     "CheckpointCallback",
+    "CompileMonitor",
+    "FindGraphBreaksCallback",
     "LoggerCallback",
+    "OptimizeFSDP",
+    "PerformanceReport",
+    "ProfileCallback",
     "ProgressBar",
     "RankZeroCallback",
     "SkipBatch",

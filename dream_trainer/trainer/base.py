@@ -301,7 +301,9 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin, PreemptionMixi
                 cb.pre_train_step(batch, batch_idx)
                 skipped = cb.skips_batches and self._skip_batch(ends_step=not accumulating)
                 if not skipped:
+                    started = time.perf_counter()
                     result = self._run_step(self.training_step, batch, batch_idx, "train_context", accumulating)
+                    self.step_stats.compute_s += time.perf_counter() - started
                     self.step_stats.add_loss(result.get("loss"))
                 if not accumulating:
                     self._end_step()

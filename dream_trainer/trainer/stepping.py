@@ -67,6 +67,13 @@ class StepMixin(AbstractTrainer):
         dropped. Returns the gradient norm when one was computed (a device tensor)."""
         if self.is_accumulating_gradients:
             return None
+        started = time.perf_counter()
+        try:
+            return self._step(optimizer, model)
+        finally:
+            self.step_stats.optimizer_s += time.perf_counter() - started
+
+    def _step(self, optimizer: Optimizer, model: nn.Module | None) -> torch.Tensor | None:
         key = id(optimizer)
         if key not in self._optimizer_params:
             self._optimizer_params[key] = [p for g in optimizer.param_groups for p in g["params"]]

@@ -42,6 +42,11 @@ class StepStats:
         world_tokens: the same for tokens.
         step_time_s: wall time from the end of the previous step to the end of this one.
         data_wait_s: the part of it spent waiting for the dataloader.
+        compute_s: the part inside ``training_step`` (forward, backward and the optimizer
+            step it calls), host time: on CUDA it is device time only where something
+            synchronized (`PerformanceReport` does on the steps it measures).
+        optimizer_s: the part inside ``trainer.step(optimizer)``: clipping, the optimizer
+            hooks, the update, ``zero_grad`` and the schedulers.
         skipped: why this step was skipped (a veto, a skipped batch), else None.
     """
 
@@ -59,6 +64,8 @@ class StepStats:
     world_tokens: int | None = None
     step_time_s: float = 0.0
     data_wait_s: float = 0.0
+    compute_s: float = 0.0
+    optimizer_s: float = 0.0
     skipped: str | None = None
 
     @property
@@ -74,7 +81,7 @@ class StepStats:
         self.micro_batches = self.samples = 0
         self.loss_sum = self.tokens = self.skipped = None
         self.grad_norm, self.clipped, self.lr = {}, {}, {}
-        self.data_wait_s = 0.0
+        self.data_wait_s = self.compute_s = self.optimizer_s = 0.0
 
     def count(self, samples: int, tokens: int | None) -> None:
         self.samples += samples

@@ -1,0 +1,215 @@
+"""`PerformanceReport`: where a run's step time goes, written at the end of fit as Markdown
+and JSON, with plain-language findings."""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dream_trainer.callbacks.base import RankZeroCallback
+from dream_trainer.trainer.base import BaseTrainer
+
+logger = logging.getLogger(__name__)
+
+
+class PerformanceReport(RankZeroCallback[BaseTrainer]):
+    """Measure every `measure_every`-th optimizer step and write, when `fit()` ends,
+    ``performance_report.md`` and ``performance_report.json`` (in `output_dir`, default the
+    run directory; rank 0):
+
+    - step time: median and p90 (the first `warmup_steps` steps are left out of them and
+      reported on their own: compile and warm-up);
+    - where it goes: waiting for the dataloader, inside ``training_step`` (forward and
+      backward), in the optimizer step (clip, update, zero_grad, schedulers) and the rest
+      (callbacks, logging, checkpointing) — from ``trainer.step_stats``;
+    - throughput: samples/s and tokens/s (this rank, and across data-parallel ranks);
+    - peak memory (the device's on CUDA, the process's resident set on CPU), compile time
+      (from a `CompileMonitor`, if there is one);
+    - findings, computed from those numbers: a dataloader-, optimizer- or callback-bound
+      run, irregular step times, a long warm-up; or none.
+
+    On CUDA a measured step is synchronized at its boundaries, so host clocks see device
+    time; other steps are not touched. On CPU every step is measured at no cost.
+    Not critical: a failure to write is logged.
+
+    Attributes:
+        report: the numbers and findings (also the JSON file), once written.
+    """
+
+    critical = False
+    order = 10_000  # last: its pre_train_step runs right before training_step
+
+    def __init__(self, output_dir: str | Path | None = None, warmup_steps: int = 2, measure_every: int | None = None,
+                 data_bound: float = 0.2, optimizer_bound: float = 0.3, callback_bound: float = 0.15,
+                 irregular: float = 1.5):
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"PerformanceReport(warmup_steps={warmup_steps!r}) is invalid: expected an int >= 0")
+        if measure_every is not None and (isinstance(measure_every, bool) or not isinstance(measure_every, int) or measure_every < 1):
+            raise ValueError(f"PerformanceReport(measure_every={measure_every!r}) is invalid: expected an int >= 1 or None")
+        self.output_dir = Path(output_dir) if output_dir is not None else None
+        self.warmup_steps, self.measure_every = warmup_steps, measure_every
+        self.thresholds = {"data": data_bound, "optimizer": optimizer_bound, "callbacks": callback_bound, "irregular": irregular}
+        self.rows: list[dict[str, float]] = []
+        self.report: dict[str, Any] | None = None
+        self._cuda = False
+        self._sync = False
+        self._samples0: tuple[int, int | None, int, int | None] | None = None
+
+    def pre_fit(self) -> None:
+        self._cuda = self.trainer.world.device.type == "cuda"
+        if self.measure_every is None:
+            self.measure_every = 10 if self._cuda else 1
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(self.trainer.world.device)
+
+    def _measured(self) -> bool:
+        return (self.trainer.global_step + 1) % self.measure_every == 0  # type: ignore[operator]
+
+    def pre_train_step(self, batch: Any, batch_idx: int) -> None:
+        self._sync = self._cuda and self._measured()
+        if self._sync:
+            torch.cuda.synchronize()  # deliberate, on measured steps only: the data wait ends on the device too
+
+    def pre_optimizer_step(self, model: Any, optimizer: Any) -> None:
+        if self._sync:
+            torch.cuda.synchronize()  # deliberate: backward done before the optimizer's clock runs
+
+    def post_optimizer_zero_grad(self, model: Any, optimizer: Any) -> None:
+        if self._sync:
+            torch.cuda.synchronize()  # deliberate: the update done within the optimizer's time
+
+    def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
+        trainer = self.trainer
+        if trainer.is_accumulating_gradients or trainer.step_skipped or not self._measured_done():
+            return
+        s = trainer.step_stats
+        self.rows.append({"step": s.step, "time": s.step_time_s, "data": s.data_wait_s, "compute": s.compute_s,
+                          "optimizer": s.optimizer_s, "samples": s.samples, "tokens": s.tokens or 0})
+
+    def _measured_done(self) -> bool:
+        return self.trainer.global_step % self.measure_every == 0  # type: ignore[operator]
+
+    def post_fit(self) -> None:
+        self.write()
+
+    def on_teardown(self, status: str) -> None:
+        if self.report is None and self.rows:
+            self.write()  # a run that stopped or failed: what was measured is still reported
+
+    # ------------------------------------------------------------------ the report
+    def write(self) -> dict[str, Any]:
+        """Compute the report from the steps measured so far and write both files."""
+        self.report = report = self.compute()
+        out = self.output_dir or Path(self.trainer.run_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "performance_report.json").write_text(json.dumps(report, indent=1))
+        (out / "performance_report.md").write_text(_markdown(report))
+        logger.info("performance report: %s", "; ".join(report["findings"]))
+        return report
+
+    def compute(self) -> dict[str, Any]:
+        """The numbers and findings (no files)."""
+        trainer, rows = self.trainer, self.rows
+        steady = [r for r in rows if r["step"] > self.warmup_steps] or rows
+        warm = [r for r in rows if r["step"] <= self.warmup_steps]
+        times = sorted(r["time"] for r in steady)
+        total = sum(r["time"] for r in steady) or float("nan")
+        data, compute, optimizer = (sum(r[k] for r in steady) for k in ("data", "compute", "optimizer"))
+        shares = {
+            "data": data / total,
+            "training_step": (compute - optimizer) / total,
+            "optimizer": optimizer / total,
+            "callbacks_and_other": max(0.0, total - data - compute) / total,
+        }
+        stats = trainer.step_stats
+        per_rank_samples = sum(r["samples"] for r in steady) / total
+        per_rank_tokens = sum(r["tokens"] for r in steady) / total if stats.total_tokens else None
+        dp = trainer.world.dp_size
+        from dream_trainer.callbacks.compile_monitor import CompileMonitor
+
+        monitors = [cb for cb in trainer.callbacks if isinstance(cb, CompileMonitor)]
+        compile_s = monitors[0].summary()["time_s"] if monitors else None
+        report = {
+            "steps_measured": len(rows), "measure_every": self.measure_every, "warmup_steps": self.warmup_steps,
+            "step_time_s": {"median": _q(times, 0.5), "p90": _q(times, 0.9), "mean": total / max(1, len(steady))},
+            "warmup_step_time_s": [r["time"] for r in warm],
+            "shares": shares,
+            "throughput": {"samples_per_s_per_rank": per_rank_samples, "samples_per_s": per_rank_samples * dp,
+                           "tokens_per_s_per_rank": per_rank_tokens,
+                           "tokens_per_s": per_rank_tokens * dp if per_rank_tokens is not None else None},
+            "peak_memory_mb": self._peak_memory_mb(), "memory_kind": "device allocated" if self._cuda else "process RSS",
+            "compile_time_s": compile_s,
+            "device": str(trainer.world.device), "world_size": trainer.world.world_size,
+        }
+        report["findings"] = self._findings(report)
+        return report
+
+    def _findings(self, report: dict[str, Any]) -> list[str]:
+        shares, t, found = report["shares"], report["step_time_s"], []
+        pct = lambda x: f"{100 * x:.0f} %"  # noqa: E731
+        if shares["data"] >= self.thresholds["data"]:
+            found.append(f"dataloader-bound: {pct(shares['data'])} of step time waiting for batches — raise "
+                         "num_workers, use pin_memory and persistent_workers, or make the dataset cheaper")
+        if shares["optimizer"] >= self.thresholds["optimizer"]:
+            found.append(f"optimizer-heavy: {pct(shares['optimizer'])} of step time in the optimizer step — try a "
+                         "fused or foreach optimizer, or clip less often")
+        if shares["callbacks_and_other"] >= self.thresholds["callbacks"]:
+            found.append(f"callbacks and logging take {pct(shares['callbacks_and_other'])} of step time — log less "
+                         "often, or look for a slow callback (ProfileCallback shows which)")
+        if t["median"] and t["p90"] / t["median"] >= self.thresholds["irregular"]:
+            found.append(f"irregular step times: p90 is {t['p90'] / t['median']:.1f}x the median — recompiles, "
+                         "garbage collection, checkpoint saves or a straggling rank")
+        warm = report["warmup_step_time_s"]
+        if warm and t["median"] and max(warm) >= 5 * t["median"]:
+            found.append(f"warm-up: the first steps took up to {max(warm):.2f} s ({max(warm) / t['median']:.0f}x a "
+                         "steady step): compilation or allocation; it is paid once")
+        if not found:
+            found.append(f"no bottleneck outside the model: {pct(shares['training_step'])} of step time in "
+                         "training_step (forward and backward)")
+        return found
+
+    def _peak_memory_mb(self) -> float:
+        if self._cuda:
+            return torch.cuda.max_memory_allocated(self.trainer.world.device) / 2**20
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return peak / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+def _q(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def _markdown(r: dict[str, Any]) -> str:
+    t, s, th = r["step_time_s"], r["shares"], r["throughput"]
+    tokens = f"{th['tokens_per_s']:,.0f} tokens/s ({th['tokens_per_s_per_rank']:,.0f} per rank), " if th["tokens_per_s"] else ""
+    lines = [
+        "# Performance report", "",
+        "## Findings", "", *[f"- {f}" for f in r["findings"]], "",
+        "## Step time", "",
+        f"{r['steps_measured']} steps measured (every {r['measure_every']}; the first {r['warmup_steps']} reported apart) on "
+        f"{r['device']}, {r['world_size']} rank(s).", "",
+        "| median | p90 | mean |", "|---|---|---|",
+        f"| {1e3 * t['median']:.1f} ms | {1e3 * t['p90']:.1f} ms | {1e3 * t['mean']:.1f} ms |", "",
+        "## Where it goes", "",
+        "| part | share of step time |", "|---|---|",
+        *[f"| {name.replace('_', ' ')} | {100 * share:.1f} % |" for name, share in s.items()], "",
+        "## Throughput and memory", "",
+        f"- {tokens}{th['samples_per_s']:,.1f} samples/s ({th['samples_per_s_per_rank']:,.1f} per rank)",
+        f"- peak memory: {r['peak_memory_mb']:,.0f} MiB ({r['memory_kind']})",
+    ]
+    if r["compile_time_s"] is not None:
+        lines.append(f"- compile time: {r['compile_time_s']:.2f} s")
+    if r["warmup_step_time_s"]:
+        lines.append(f"- warm-up steps: {', '.join(f'{x:.3f} s' for x in r['warmup_step_time_s'])}")
+    return "\n".join(lines) + "\n"

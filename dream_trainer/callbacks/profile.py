@@ -1,0 +1,208 @@
+"""`ProfileCallback`: ``torch.profiler`` over a window of optimizer steps, exported for
+Perfetto/Chrome, TensorBoard, a key-averages table and flame graphs; then stopped."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dream_trainer.callbacks.base import Callback
+from dream_trainer.trainer.abstract import AbstractTrainer
+
+logger = logging.getLogger(__name__)
+
+
+class ProfileCallback(Callback[AbstractTrainer]):
+    """Profile a window of optimizer steps, export what was recorded, stop the profiler.
+
+    The profiler starts at the first training step and is stepped once per optimizer step
+    (not per micro-batch). Its schedule is ``skip_first`` steps, then `repeat` cycles of
+    `wait` + `warmup` + `active` steps; each cycle's `active` steps are recorded and
+    exported when the cycle ends, into ``output_dir`` (default ``<run_dir>/profile``), per
+    rank:
+
+    - ``rank<R>.step<N>.pt.trace.json``: the trace, for Perfetto (ui.perfetto.dev),
+      ``chrome://tracing`` and TensorBoard's profiler plugin (the file name is its format);
+    - ``key_averages.rank<R>.step<N>.txt``: the ops table, sorted by self CPU time on CPU
+      and self device time on CUDA;
+    - ``stacks.rank<R>.step<N>.txt`` (with ``with_stack``): folded stacks for a flame graph
+      (``flamegraph.pl``, speedscope);
+    - on CUDA, ``memory_timeline.rank<R>.step<N>.html`` (with ``profile_memory``) and, with
+      ``memory_snapshot=True``, ``memory_snapshot.rank<R>.pickle`` for
+      pytorch.org/memory_viz.
+
+    When the last cycle is exported the profiler is stopped and released, so a long run
+    does not keep growing memory; training goes on, or ends with `StopTraining` when
+    ``stop_training=True``. The profiler is stopped on every other path too (`on_teardown`).
+    Pass your own ``torch.profiler.profile`` as `profiler` to choose everything yourself:
+    give it a finite ``schedule`` (with ``repeat`` > 0); its ``on_trace_ready``, if any, runs
+    before the exports. Not critical: a failing export is logged, never stops training.
+
+    Attributes:
+        exported: the files written, in order.
+        output_dir: where they go (known from `pre_fit`).
+    """
+
+    critical = False
+
+    def __init__(
+        self,
+        profiler: torch.profiler.profile | None = None,
+        *,
+        wait: int = 1,
+        warmup: int = 1,
+        active: int = 3,
+        repeat: int = 1,
+        skip_first: int = 0,
+        output_dir: str | Path | None = None,
+        record_shapes: bool = True,
+        profile_memory: bool = False,
+        with_stack: bool = True,
+        memory_snapshot: bool = False,
+        row_limit: int = 40,
+        stop_training: bool = False,
+    ):
+        for name, value, lowest in (("wait", wait, 0), ("warmup", warmup, 0), ("active", active, 1),
+                                    ("repeat", repeat, 1), ("skip_first", skip_first, 0), ("row_limit", row_limit, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+                raise ValueError(f"ProfileCallback({name}={value!r}) is invalid: expected an int >= {lowest}")
+        if profiler is not None and not isinstance(profiler, torch.profiler.profile):
+            raise TypeError(f"ProfileCallback(profiler=...) takes a torch.profiler.profile, got {type(profiler).__name__}")
+        if profiler is not None and not _schedule_length(profiler):
+            raise ValueError(
+                "ProfileCallback(profiler=...): its schedule never ends (no schedule, or repeat=0); give it "
+                "torch.profiler.schedule(wait=..., warmup=..., active=..., repeat=N) with N >= 1"
+            )
+        self.with_stack, self.profile_memory, self.record_shapes = with_stack, profile_memory, record_shapes
+        self.memory_snapshot, self.row_limit, self.stop_training = memory_snapshot, row_limit, stop_training
+        self.output_dir: Path | None = Path(output_dir) if output_dir is not None else None
+        self.exported: list[Path] = []
+        self._schedule = (wait, warmup, active, repeat, skip_first)
+        self._profiler = profiler
+        self._user_ready: Callable[..., Any] | None = None
+        self._steps = 0
+        self._total_steps = skip_first + repeat * (wait + warmup + active)
+        self._running = False
+        self._done = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def pre_fit(self) -> None:
+        if self.output_dir is None:
+            self.output_dir = Path(self.trainer.run_dir) / "profile"
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+
+    def pre_train_step(self, batch: Any, batch_idx: int) -> None:
+        if not self._running and not self._done:
+            self._start()
+
+    def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
+        if not self._running or self.trainer.is_accumulating_gradients:
+            return
+        self._steps += 1
+        self._profiler.step()  # type: ignore[union-attr]
+        if self._steps >= self._total_steps:
+            self._stop()
+            logger.info("profiling done after %d steps: %d file(s) in %s", self._steps, len(self.exported), self.output_dir)
+            if self.stop_training:
+                self.trainer.request_stop("profiling finished")  # type: ignore[attr-defined]
+
+    def on_teardown(self, status: str) -> None:
+        self._stop()
+
+    @property
+    def running(self) -> bool:
+        """Whether the profiler is recording (or waiting in its schedule) now."""
+        return self._running
+
+    # ------------------------------------------------------------------ profiler
+    def _start(self) -> None:
+        if self._profiler is None:
+            from torch.profiler import ProfilerActivity, schedule
+
+            wait, warmup, active, repeat, skip_first = self._schedule
+            activities = [ProfilerActivity.CPU]
+            if torch.cuda.is_available() and self.trainer.world.device.type == "cuda":
+                activities.append(ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(
+                activities=activities,
+                schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=repeat, skip_first=skip_first),
+                on_trace_ready=self._export,
+                record_shapes=self.record_shapes or self.profile_memory,
+                profile_memory=self.profile_memory,
+                with_stack=self.with_stack or self.profile_memory,
+                # verbose: the Python stacks reach the exported events (else export_stacks is empty)
+                experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True) if self.with_stack else None,
+            )
+        else:
+            self._user_ready = self._profiler.on_trace_ready
+            self._profiler.on_trace_ready = self._export
+            self._total_steps = _schedule_length(self._profiler)  # type: ignore[assignment]  (checked in __init__)
+        if self.memory_snapshot and self._on_cuda():
+            torch.cuda.memory._record_memory_history()
+        self._profiler.start()
+        self._running = True
+
+    def _stop(self) -> None:
+        if not self._running:
+            return
+        self._running, self._done = False, True
+        try:
+            self._profiler.stop()  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - stopping must not fail the run
+            logger.exception("stopping the profiler failed")
+        if self.memory_snapshot and self._on_cuda():
+            path = self._path("memory_snapshot", "pickle", step=False)
+            try:
+                torch.cuda.memory._dump_snapshot(str(path))
+                self.exported.append(path)
+            finally:
+                torch.cuda.memory._record_memory_history(enabled=None)
+        self._profiler = None  # the recorded events go with it
+
+    def _export(self, prof: torch.profiler.profile) -> None:
+        """``on_trace_ready``: write this cycle's files."""
+        if self._user_ready is not None:
+            self._user_ready(prof)
+        cuda = self._on_cuda()
+        trace = self._path("", "pt.trace.json")
+        prof.export_chrome_trace(str(trace))
+        self.exported.append(trace)
+        sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
+        table = self._path("key_averages", "txt")
+        table.write_text(prof.key_averages().table(sort_by=sort_by, row_limit=self.row_limit))
+        self.exported.append(table)
+        if self.with_stack:
+            stacks = self._path("stacks", "txt")
+            prof.export_stacks(str(stacks), metric="self_device_time_total" if cuda else "self_cpu_time_total")
+            self.exported.append(stacks)
+        if cuda and self.profile_memory:
+            timeline = self._path("memory_timeline", "html")
+            prof.export_memory_timeline(str(timeline), device=str(self.trainer.world.device))
+            self.exported.append(timeline)
+
+    def _on_cuda(self) -> bool:
+        return torch.cuda.is_available() and self.trainer.world.device.type == "cuda"
+
+    def _path(self, kind: str, suffix: str, step: bool = True) -> Path:
+        assert self.output_dir is not None
+        name = f"rank{self.trainer.world.rank}" + (f".step{self.trainer.global_step}" if step else "")
+        return self.output_dir / (f"{kind}.{name}.{suffix}" if kind else f"{name}.{suffix}")
+
+
+def _schedule_length(profiler: torch.profiler.profile) -> int | None:
+    """How many ``step()`` calls a profiler's schedule needs to record and export everything
+    (None: it records without end within 20,000 steps)."""
+    from torch.profiler import ProfilerAction
+
+    fn = profiler.schedule
+    last = -1
+    for step in range(20_000):
+        if fn(step) != ProfilerAction.NONE:
+            last = step
+        elif step - last > 1_000:
+            return last + 1
+    return None

@@ -1,0 +1,237 @@
+"""Performance callbacks on real runs: ProfileCallback (traces that parse, tables with real
+ops, the profiler stopped after its window), FindGraphBreaksCallback (exact breaks with
+file:line, fullgraph failures, nothing patched), CompileMonitor (compiles and recompiles per
+region) and PerformanceReport (the dataloader named when it is the bottleneck)."""
+
+import inspect
+import json
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from dream_trainer import DeviceParameters, LoggingParameters, TrainerConfig, TrainingParameters
+from dream_trainer.callbacks import CompileMonitor, FindGraphBreaksCallback, PerformanceReport, ProfileCallback
+from dream_trainer.testing import ToyTrainer
+
+
+def config(callbacks=(), compile_model=False, log_every=1000, **training):
+    params = dict(n_epochs=1, num_sanity_val_steps=0)
+    params.update(training)
+    return TrainerConfig(
+        run_name="r",
+        training_parameters=TrainingParameters(**params),
+        logging_parameters=LoggingParameters(log_every_n_steps=log_every),
+        device_parameters=DeviceParameters.SINGLE_DEVICE(compile_model=compile_model),
+        callbacks=list(callbacks),
+    )
+
+
+# -------------------------------------------------------------------- ProfileCallback
+def test_profile_exports_a_trace_and_a_table_then_stops(tmp_path):
+    prof = ProfileCallback(wait=1, warmup=1, active=2, output_dir=tmp_path / "prof")
+    steps_after = []
+
+    class After(ToyTrainer):
+        def training_step(self, batch, batch_idx):
+            if not prof.running and prof.exported:
+                steps_after.append(torch.autograd._profiler_enabled())
+            return super().training_step(batch, batch_idx)
+
+    trainer = After(config([prof], n_epochs=2))
+    trainer.fit()
+    trace, table, stacks = prof.exported
+    assert trace.name == "rank0.step4.pt.trace.json"
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("name") == "aten::addmm" for e in events)  # the Linear layers' real op
+    assert "aten::addmm" in table.read_text() and "Self CPU" in table.read_text()
+    assert stacks.stat().st_size > 0
+    assert trainer.global_step == 24 and len(steps_after) == 20 and not any(steps_after)  # kept training, profiler off
+
+
+def test_profile_can_end_the_run_and_checks_its_arguments(tmp_path):
+    prof = ProfileCallback(wait=0, warmup=1, active=1, output_dir=tmp_path, stop_training=True)
+    trainer = ToyTrainer(config([prof]))
+    trainer.fit()
+    assert trainer.status == "stopped" and trainer.stop_reason == "profiling finished" and trainer.global_step == 2
+    with pytest.raises(ValueError, match=r"ProfileCallback\(active=0\) is invalid"):
+        ProfileCallback(active=0)
+    with pytest.raises(ValueError, match="its schedule never ends"):
+        ProfileCallback(torch.profiler.profile())
+
+
+def test_a_users_profiler_is_stopped_when_the_run_fails(tmp_path):
+    user = torch.profiler.profile(schedule=torch.profiler.schedule(wait=0, warmup=1, active=100, repeat=1))
+    prof = ProfileCallback(user, output_dir=tmp_path)
+
+    class Fails(ToyTrainer):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 3:
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        Fails(config([prof])).fit()
+    assert not prof.running and not torch.autograd._profiler_enabled()
+
+
+# -------------------------------------------------------------------- graph breaks
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(8, 1)
+
+    def forward(self, x):
+        y = self.layer(x)
+        if y.sum() > 0:  # BRANCH: a data-dependent jump
+            y = y * 2
+        return y
+
+
+class Printy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(8, 1)
+
+    def forward(self, x):
+        y = self.layer(x)
+        print("debug")  # PRINT
+        return torch.tanh(y)
+
+
+class Clean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return torch.tanh(self.layer(x))
+
+
+def _line(cls, marker):
+    lines, start = inspect.getsourcelines(cls.forward)
+    return start + next(i for i, text in enumerate(lines) if marker in text)
+
+
+def _with_model(cls, compiled=False):
+    class Trainer(ToyTrainer):
+        def configure_models(self):
+            self.model = cls()
+
+        def apply_compile(self):
+            self.compile_module(self.model, backend="eager")
+
+    Trainer.__name__ = f"With{cls.__name__}"
+    return Trainer
+
+
+@pytest.mark.parametrize("cls, marker, reason", [(Branchy, "BRANCH", "generic_jump"),
+                                                 (Printy, "PRINT", "Failed to trace builtin operator")])
+def test_graph_breaks_are_reported_with_their_file_and_line(tmp_path, cls, marker, reason):
+    original = torch.compile
+    finder = FindGraphBreaksCallback(tmp_path / "breaks.txt", skip=2)
+    trainer = _with_model(cls)(config([finder]))
+    trainer.fit()
+    assert trainer.status == "stopped" and trainer.global_step == 3  # analysed after step 3, then stopped
+    (region,) = finder.report["regions"].values()
+    assert region["breaks"] == 1
+    (found,) = region["break_reasons"]
+    assert found["file"] == __file__ and found["line"] == _line(cls, marker) and reason in found["reason"]
+    assert json.loads((tmp_path / "breaks.json").read_text()) == finder.report
+    assert f"{__file__}:{_line(cls, marker)}" in (tmp_path / "breaks.txt").read_text()
+    assert torch.compile is original and type(trainer.model) is cls  # nothing patched or replaced
+
+
+def test_a_break_free_compiled_region_reports_zero_and_fullgraph_names_the_failing_one(tmp_path):
+    clean = FindGraphBreaksCallback(tmp_path / "clean.txt", stop=False)
+    trainer = _with_model(Clean)(config([clean], compile_model=True, max_steps=3, n_epochs=None))
+    trainer.fit()
+    assert list(clean.report["regions"]) == ["model"] and clean.report["regions"]["model"]["breaks"] == 0
+    assert trainer.global_step == 3 and trainer.status == "completed"  # stop=False: training went on
+    strict = FindGraphBreaksCallback(tmp_path / "strict.txt", fullgraph=True)
+    _with_model(Branchy)(config([strict])).fit()
+    region = strict.report["regions"]["model"]
+    assert region["ok"] is False and "Unsupported" in region["error"]
+
+
+# -------------------------------------------------------------------- CompileMonitor
+class Block(nn.Module):
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.layer = nn.Linear(n_in, n_out)
+
+    def forward(self, x):
+        return torch.tanh(self.layer(x))
+
+
+class Ragged(ToyTrainer):
+    """Two compiled blocks (dynamo eager backend: fast); batch sizes change every step."""
+
+    def configure_models(self):
+        self.model = nn.Sequential(Block(8, 16), Block(16, 1))
+
+    def apply_compile(self):
+        for block in self.model:
+            self.compile_module(block, backend="eager", dynamic=False)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        n = 8 - batch_idx % 4
+        return super().training_step((x[:n], y[:n]), batch_idx)
+
+
+def test_compile_monitor_counts_compiles_and_recompiles_per_region(caplog):
+    monitor = CompileMonitor(warn_after=2)
+    torch._logging.set_logs(recompiles=True)
+    try:
+        trainer = Ragged(config([monitor], compile_model=True, log_every=4))
+        trainer.fit()
+    finally:
+        torch._logging.set_logs()
+    summary = monitor.summary()
+    for name in ("model.0", "model.1"):
+        region = summary["regions"][name]
+        assert region["graphs"] == 4 and region["recompiles"] == 3 and region["time_s"] > 0  # 4 batch sizes
+    assert summary["recompiles"] == 6 and any("size mismatch" in r for r in summary["regions"]["model.0"]["reasons"])
+    assert "compiled region 'model.0' recompiled" in caplog.text
+    assert trainer.logged_metrics["compile/model.0/recompiles"] == 3
+
+
+# -------------------------------------------------------------------- PerformanceReport
+class Loaders(ToyTrainer):
+    """Pre-made batches (a fast loader), or each batch 20 ms late (a slow one)."""
+
+    def __init__(self, cfg, slow):
+        super().__init__(cfg, in_features=64, hidden=512, batch_size=64, n_samples=64 * 24)
+        self.slow = slow
+
+    def configure_dataloaders(self):
+        train, _ = super().configure_dataloaders()
+        batches = list(train)
+        if not self.slow:
+            return batches, None
+
+        class Slow:
+            def __iter__(self):
+                for batch in batches:
+                    time.sleep(0.02)
+                    yield batch
+
+            def __len__(self):
+                return len(batches)
+
+        return Slow(), None
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_performance_report_names_the_dataloader_only_when_it_is_slow(tmp_path, slow):
+    report = PerformanceReport(output_dir=tmp_path)
+    Loaders(config([report]), slow).fit()
+    written = json.loads((tmp_path / "performance_report.json").read_text())
+    assert written == report.report and (tmp_path / "performance_report.md").read_text().startswith("# Performance report")
+    findings = " ".join(written["findings"])
+    assert ("dataloader-bound" in findings) is slow
+    assert written["steps_measured"] == 18 and written["throughput"]["samples_per_s"] > 0
+    assert (written["shares"]["data"] > 0.5) is slow
+    assert abs(sum(written["shares"].values()) - 1) < 1e-6
