@@ -32,6 +32,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/parallel.py
 	$(PY) benchmarks/checkpoint.py
+	$(PY) benchmarks/compile.py
+	$(PY) benchmarks/fsdp_prefetch.py
 
 clean:
 	rm -rf $(VENV) site runs benchmarks/results

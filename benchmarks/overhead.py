@@ -6,13 +6,16 @@ optimizer on the same in-memory batches (data loading is not measured):
     raw         for x, y in batches: loss = mse(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
     dream       a DreamTrainer doing the same in training_step, no callbacks
     dream+20cb  the same trainer with 20 callbacks that each override 6 hooks with no-ops
+    dream+perf  the same trainer with the performance callbacks attached but not profiling:
+                ProfileCallback (its window already done), PerformanceReport (measuring every
+                step), CompileMonitor and OptimizeFSDP (nothing compiled or sharded here)
 
 Everything runs in ONE thread of ONE process, interleaved epoch by epoch, so drift on a
 shared machine hits every variant alike: the trainer fits for many epochs, and a timing
 callback runs, at each epoch boundary, one epoch of the raw loop on the trainer's own model
 and optimizer (timed on its own; the same tensors in the same memory, so only the loop
 code differs) and switches the 20 no-op callbacks in or out for the trainer's next epoch
-(rotating order), and
+(rotating order), and the performance callbacks likewise; and
 a control variant repeats the no-callback trainer (A/A): how far its ratio strays from
 the first one's is the measurement's noise floor. The timing callback overrides only pre/post_train_epoch: no per-step cost.
 A separate check trains a fresh raw model and a fresh trainer for one epoch from the same
@@ -38,7 +41,7 @@ from dream_trainer import Callback, DeviceParameters, DreamTrainer, LoggingParam
 
 from common import machine, write_json  # noqa: E402  (benchmarks/common.py)
 
-VARIANTS = ("raw", "dream", "dream+20cb", "dream (A/A)")
+VARIANTS = ("raw", "dream", "dream+20cb", "dream+perf", "dream (A/A)")
 TRAINER_VARIANTS = VARIANTS[1:]
 TARGETS = {"dream": 1.02, "dream+20cb": 1.03}
 LIGHTNING_QUOTED = {"dream": 1.26, "dream+20cb": 1.42}  # from the issue, not measured here
@@ -81,14 +84,21 @@ class Interleave(Callback[Any]):
     """Times the trainer's epochs and, between them, runs a timed raw epoch and swaps the
     no-op callbacks in or out according to the schedule."""
 
-    def __init__(self, schedule: list[str], batches: list[Any], n_callbacks: int):
+    def __init__(self, schedule: list[str], batches: list[Any], n_callbacks: int, out_dir: Path):
+        from dream_trainer.callbacks import CompileMonitor, OptimizeFSDP, PerformanceReport, ProfileCallback
+
         self.schedule, self.batches, self.n_callbacks = schedule, batches, n_callbacks
+        # ProfileCallback profiles 2 steps the first time it is attached (a warm-up epoch),
+        # then stays attached with profiling off.
+        self.perf: list[Callback[Any]] = [
+            ProfileCallback(wait=0, warmup=1, active=1, output_dir=out_dir / "profile"),
+            PerformanceReport(output_dir=out_dir), CompileMonitor(), OptimizeFSDP(),
+        ]
         self.times: dict[str, list[float]] = {v: [] for v in VARIANTS}  # wall clock
         self.cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}  # this thread's CPU time
         self.gc_collections: dict[str, list[int]] = {v: [] for v in VARIANTS}
         self.noops = [NoOp() for _ in range(n_callbacks)]
         self._variant = "dream"
-        self._with_noops = False
         self._t0 = 0.0
         self._gc0 = 0
 
@@ -108,14 +118,13 @@ class Interleave(Callback[Any]):
         self.cpu["raw"].append(time.thread_time() - c0)
         self.gc_collections["raw"].append(self._collections() - gc0)
         variant = self.schedule[epoch]
-        want = variant == "dream+20cb"
-        if want != self._with_noops:
-            for cb in self.noops:
-                if want:
+        for group, wanted in ((self.noops, variant == "dream+20cb"), (self.perf, variant == "dream+perf")):
+            attached = any(cb is group[0] for cb in self.trainer.callbacks)
+            for cb in group if wanted != attached else ():
+                if wanted:
                     self.trainer.callbacks.add(cb)
                 else:
                     self.trainer.callbacks.remove(cb)
-            self._with_noops = want
         self._variant = variant
         self._gc0 = self._collections()
         self._c0, self._t0 = time.thread_time(), time.perf_counter()
@@ -175,11 +184,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # Each round runs every trainer variant once, the order rotating to cancel drift.
     # "dream (A/A)" is the no-callback trainer again: its ratio to "dream" is the noise floor.
-    schedule = ["dream"] * args.warmup
+    schedule = ["dream+perf"] + ["dream"] * (args.warmup - 1)  # the profiler's window: in warm-up
+    n = len(TRAINER_VARIANTS)
     for r in range(args.rounds):
         order = list(TRAINER_VARIANTS)
-        schedule += order[r % 3 :] + order[: r % 3]  # rotate which variant goes first
-    timer = Interleave(schedule, batches, args.callbacks)
+        schedule += order[r % n :] + order[: r % n]  # rotate which variant goes first
+    timer = Interleave(schedule, batches, args.callbacks, Path(args.out).parent / "overhead_perf")
     config = TrainerConfig(
         root_dir=str(Path(args.out).parent / "runs"),
         device_parameters=DeviceParameters.SINGLE_DEVICE(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import deque
 import resource
 import statistics
 import sys
@@ -36,7 +37,8 @@ class PerformanceReport(RankZeroCallback[BaseTrainer]):
       run, irregular step times, a long warm-up; or none.
 
     On CUDA a measured step is synchronized at its boundaries, so host clocks see device
-    time; other steps are not touched. On CPU every step is measured at no cost.
+    time; other steps are not touched. On CPU every step is measured at no cost. The report
+    covers the last `keep_steps` measured steps (memory stays bounded on long runs).
     Not critical: a failure to write is logged.
 
     Attributes:
@@ -44,11 +46,11 @@ class PerformanceReport(RankZeroCallback[BaseTrainer]):
     """
 
     critical = False
-    order = 10_000  # last: its pre_train_step runs right before training_step
+    order = 10_000  # last: the step's other callbacks are done when it reads the step's stats
 
     def __init__(self, output_dir: str | Path | None = None, warmup_steps: int = 2, measure_every: int | None = None,
                  data_bound: float = 0.2, optimizer_bound: float = 0.3, callback_bound: float = 0.15,
-                 irregular: float = 1.5):
+                 irregular: float = 1.5, keep_steps: int = 10_000):
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"PerformanceReport(warmup_steps={warmup_steps!r}) is invalid: expected an int >= 0")
         if measure_every is not None and (isinstance(measure_every, bool) or not isinstance(measure_every, int) or measure_every < 1):
@@ -56,37 +58,27 @@ class PerformanceReport(RankZeroCallback[BaseTrainer]):
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.warmup_steps, self.measure_every = warmup_steps, measure_every
         self.thresholds = {"data": data_bound, "optimizer": optimizer_bound, "callbacks": callback_bound, "irregular": irregular}
-        self.rows: list[dict[str, float]] = []
+        self.rows: deque[dict[str, float]] = deque(maxlen=keep_steps)  # bounded: a long run does not grow
         self.report: dict[str, Any] | None = None
         self._cuda = False
-        self._sync = False
         self._samples0: tuple[int, int | None, int, int | None] | None = None
 
     def pre_fit(self) -> None:
-        self._cuda = self.trainer.world.device.type == "cuda"
-        if self.measure_every is None:
-            self.measure_every = 10 if self._cuda else 1
-        if self._cuda:
+        if self._on_cuda():
             torch.cuda.reset_peak_memory_stats(self.trainer.world.device)
+            # The synchronizing hooks exist only on CUDA: on CPU measuring costs one hook.
+            self.trainer.callbacks.add(_SyncMeasuredSteps(self), name=f"{type(self).__name__}.sync")
 
-    def _measured(self) -> bool:
-        return (self.trainer.global_step + 1) % self.measure_every == 0  # type: ignore[operator]
-
-    def pre_train_step(self, batch: Any, batch_idx: int) -> None:
-        self._sync = self._cuda and self._measured()
-        if self._sync:
-            torch.cuda.synchronize()  # deliberate, on measured steps only: the data wait ends on the device too
-
-    def pre_optimizer_step(self, model: Any, optimizer: Any) -> None:
-        if self._sync:
-            torch.cuda.synchronize()  # deliberate: backward done before the optimizer's clock runs
-
-    def post_optimizer_zero_grad(self, model: Any, optimizer: Any) -> None:
-        if self._sync:
-            torch.cuda.synchronize()  # deliberate: the update done within the optimizer's time
+    def _on_cuda(self) -> bool:
+        self._cuda = self.trainer.world.device.type == "cuda"
+        if self.measure_every is None:  # also when attached after pre_fit
+            self.measure_every = 10 if self._cuda else 1
+        return self._cuda
 
     def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
         trainer = self.trainer
+        if self.measure_every is None:
+            self._on_cuda()
         if trainer.is_accumulating_gradients or trainer.step_skipped or not self._measured_done():
             return
         s = trainer.step_stats
@@ -116,7 +108,7 @@ class PerformanceReport(RankZeroCallback[BaseTrainer]):
 
     def compute(self) -> dict[str, Any]:
         """The numbers and findings (no files)."""
-        trainer, rows = self.trainer, self.rows
+        trainer, rows = self.trainer, list(self.rows)
         steady = [r for r in rows if r["step"] > self.warmup_steps] or rows
         warm = [r for r in rows if r["step"] <= self.warmup_steps]
         times = sorted(r["time"] for r in steady)
@@ -213,3 +205,27 @@ def _markdown(r: dict[str, Any]) -> str:
     if r["warmup_step_time_s"]:
         lines.append(f"- warm-up steps: {', '.join(f'{x:.3f} s' for x in r['warmup_step_time_s'])}")
     return "\n".join(lines) + "\n"
+
+
+class _SyncMeasuredSteps(RankZeroCallback[BaseTrainer]):
+    """On CUDA: synchronize at the boundaries of the steps `PerformanceReport` measures, so
+    its host clocks see device time (deliberate syncs, on measured steps only)."""
+
+    critical = False
+    order = 10_000  # last: its pre_train_step sync is right before training_step
+
+    def __init__(self, report: PerformanceReport):
+        self.report, self.sync = report, False
+
+    def pre_train_step(self, batch: Any, batch_idx: int) -> None:
+        self.sync = (self.trainer.global_step + 1) % self.report.measure_every == 0  # type: ignore[operator]
+        if self.sync:
+            torch.cuda.synchronize()  # the data wait ends on the device too
+
+    def pre_optimizer_step(self, model: Any, optimizer: Any) -> None:
+        if self.sync:
+            torch.cuda.synchronize()  # backward done before the optimizer's clock runs
+
+    def post_optimizer_zero_grad(self, model: Any, optimizer: Any) -> None:
+        if self.sync:
+            torch.cuda.synchronize()  # the update done within the optimizer's time

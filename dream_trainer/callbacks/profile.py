@@ -44,7 +44,7 @@ class ProfileCallback(Callback[AbstractTrainer]):
 
     Attributes:
         exported: the files written, in order.
-        output_dir: where they go (known from `pre_fit`).
+        output_dir: where they go (known once profiling starts).
     """
 
     critical = False
@@ -90,11 +90,6 @@ class ProfileCallback(Callback[AbstractTrainer]):
         self._done = False
 
     # ------------------------------------------------------------------ lifecycle
-    def pre_fit(self) -> None:
-        if self.output_dir is None:
-            self.output_dir = Path(self.trainer.run_dir) / "profile"
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-
     def pre_train_step(self, batch: Any, batch_idx: int) -> None:
         if not self._running and not self._done:
             self._start()
@@ -120,6 +115,9 @@ class ProfileCallback(Callback[AbstractTrainer]):
 
     # ------------------------------------------------------------------ profiler
     def _start(self) -> None:
+        if self.output_dir is None:
+            self.output_dir = Path(self.trainer.run_dir) / "profile"
+        self.output_dir.mkdir(parents=True, exist_ok=True)
         if self._profiler is None:
             from torch.profiler import ProfilerActivity, schedule
 

@@ -14,8 +14,10 @@ again with the same ``--run-name`` and it resumes where it stopped.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +121,9 @@ class GPTTrainer(DreamTrainer):
             sampler = DistributedSampler(
                 dataset, num_replicas=world.dp_size, rank=world.dp_rank, shuffle=shuffle, seed=self.seed or 0
             )
-            return DataLoader(dataset, batch_size=per_rank, sampler=sampler, drop_last=shuffle)
+            delay = self.args.data_delay_ms / 1000 if shuffle else 0.0
+            return DataLoader(dataset, batch_size=per_rank, sampler=sampler, drop_last=shuffle,
+                              collate_fn=functools.partial(_slow_collate, delay) if delay else None)
 
         return loader(self.train_set, True), loader(self.val_set, False)
 
@@ -133,6 +137,12 @@ class GPTTrainer(DreamTrainer):
     def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         x, y = batch
         return {"loss": lm_loss(self.model(x), y)}
+
+
+def _slow_collate(delay: float, samples: list[Any]) -> Any:
+    """`--data-delay-ms`: a data pipeline that takes `delay` seconds per batch."""
+    time.sleep(delay)
+    return torch.utils.data.default_collate(samples)
 
 
 class ValidationHistory(Callback[DreamTrainer]):
@@ -165,6 +175,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10, help="log training metrics every N steps")
     p.add_argument("--val-batches", type=int, default=None, help="batches per validation (default: all)")
     p.add_argument("--n-chars", type=int, default=400_000, help="size of the generated corpus")
+    p.add_argument("--data-delay-ms", type=float, default=0.0,
+                   help="make every training batch this much slower to load (a slow data pipeline, to see it found)")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
@@ -184,7 +196,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> GPTTrainer:
+def main(argv: list[str] | None = None, callbacks: list[Callback[Any]] | None = None) -> GPTTrainer:
+    """Train the demo; `callbacks` are added to its own (see examples/callbacks)."""
     args = parse_args(argv)
     history = ValidationHistory()
     config = TrainerConfig(
@@ -213,6 +226,7 @@ def main(argv: list[str] | None = None) -> GPTTrainer:
                     monitor="val/loss",
                 )
             ),
+            *(callbacks or []),
         ],
     )
     trainer = GPTTrainer(config, args)
