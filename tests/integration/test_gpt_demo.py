@@ -109,3 +109,19 @@ def test_demo_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path):
     assert trainer.global_step == 40 and trainer.status == "completed"
     resumed = _train_losses(tmp_path / "gpt" / "cut" / "logs")
     assert resumed == full  # every logged step, before and after the stop, bit for bit
+
+
+def test_demo_profiled_for_a_short_schedule_then_keeps_training(tmp_path):
+    import torch
+
+    from dream_trainer.callbacks import ProfileCallback
+
+    demo = _load_demo()
+    prof = ProfileCallback(wait=1, warmup=1, active=2, output_dir=tmp_path / "profile")
+    trainer = demo.main(["--steps", "12", "--val-every", "12", "--val-batches", "2", "--n-chars", "40000",
+                         "--checkpoint-every", "0", "--root-dir", str(tmp_path), "--run-name", "prof"], callbacks=[prof])
+    trace, table, _stacks = prof.exported
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {"aten::mm", "aten::addmm"} <= {e.get("name") for e in events}  # the head (no bias) and the other linears
+    assert "aten::mm" in table.read_text()
+    assert trainer.global_step == 12 and not prof.running and not torch.autograd._profiler_enabled()
