@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/checkpoint.py
 	$(PY) benchmarks/compile.py
 	$(PY) benchmarks/fsdp_prefetch.py
+	$(PY) benchmarks/fp8.py
 
 clean:
 	rm -rf $(VENV) site runs benchmarks/results

@@ -19,6 +19,7 @@ from dream_trainer.callbacks.collection import CallbackCollection, CallbackDepen
 if TYPE_CHECKING:
     from dream_trainer.callbacks.checkpoint import CheckpointCallback
     from dream_trainer.callbacks.compile_monitor import CompileMonitor
+    from dream_trainer.callbacks.fp8 import Fp8Quantization
     from dream_trainer.callbacks.graph_breaks import FindGraphBreaksCallback
     from dream_trainer.callbacks.logger import LoggerCallback
     from dream_trainer.callbacks.optimize_fsdp import OptimizeFSDP
@@ -30,6 +31,7 @@ _SHIPPED = {
     "CheckpointCallback": "dream_trainer.callbacks.checkpoint",
     "CompileMonitor": "dream_trainer.callbacks.compile_monitor",
     "FindGraphBreaksCallback": "dream_trainer.callbacks.graph_breaks",
+    "Fp8Quantization": "dream_trainer.callbacks.fp8",
     "LoggerCallback": "dream_trainer.callbacks.logger",
     "OptimizeFSDP": "dream_trainer.callbacks.optimize_fsdp",
     "PerformanceReport": "dream_trainer.callbacks.performance",
@@ -46,6 +48,7 @@ __all__ = [
     "CheckpointCallback",
     "CompileMonitor",
     "FindGraphBreaksCallback",
+    "Fp8Quantization",
     "LoggerCallback",
     "OptimizeFSDP",
     "PerformanceReport",

@@ -52,6 +52,9 @@ class DreamTrainer(BaseTrainer):
     """A trainer that builds models on the meta device and parallelizes them from config.
 
     Attributes:
+        float8: ``{model name: recipe}`` of the models converted to float8 training (by
+            `Fp8Quantization`, before parallelization): an ``apply_tensor_parallel`` can
+            choose torchao's float8 TP styles from it.
         compiled_modules: the compiled regions, ``{"<model>.<submodule path>": CompiledModule}``
             in module order (empty when nothing was compiled): what `apply_compile` compiled,
             through `compile_module` or ``module.compile()``.
@@ -62,6 +65,7 @@ class DreamTrainer(BaseTrainer):
     def __init__(self, config: Any):
         super().__init__(config)
         self.compiled_modules: dict[str, CompiledModule] = {}
+        self.float8: dict[str, str] = {}  # model name -> float8 recipe, set by Fp8Quantization
         self._compile_options: dict[int, dict[str, Any]] = {}
         self._fsdp_modules: dict[str, dict[str, nn.Module]] = {}
 
