@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/compile.py
 	$(PY) benchmarks/fsdp_prefetch.py
 	$(PY) benchmarks/fp8.py
+	$(PY) benchmarks/health.py
 
 clean:
 	rm -rf $(VENV) site runs benchmarks/results

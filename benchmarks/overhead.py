@@ -9,6 +9,8 @@ optimizer on the same in-memory batches (data loading is not measured):
     dream+perf  the same trainer with the performance callbacks attached but not profiling:
                 ProfileCallback (its window already done), PerformanceReport (measuring every
                 step), CompileMonitor and OptimizeFSDP (nothing compiled or sharded here)
+    dream+health the same trainer with the six health callbacks at their default intervals
+                (health_callbacks(); the dashboard is off: not a terminal)
 
 Everything runs in ONE thread of ONE process, interleaved epoch by epoch, so drift on a
 shared machine hits every variant alike: the trainer fits for many epochs, and a timing
@@ -41,7 +43,7 @@ from dream_trainer import Callback, DeviceParameters, DreamTrainer, LoggingParam
 
 from common import machine, write_json  # noqa: E402  (benchmarks/common.py)
 
-VARIANTS = ("raw", "dream", "dream+20cb", "dream+perf", "dream (A/A)")
+VARIANTS = ("raw", "dream", "dream+20cb", "dream+perf", "dream+health", "dream (A/A)")
 TRAINER_VARIANTS = VARIANTS[1:]
 TARGETS = {"dream": 1.02, "dream+20cb": 1.03}
 LIGHTNING_QUOTED = {"dream": 1.26, "dream+20cb": 1.42}  # from the issue, not measured here
@@ -94,6 +96,9 @@ class Interleave(Callback[Any]):
             ProfileCallback(wait=0, warmup=1, active=1, output_dir=out_dir / "profile"),
             PerformanceReport(output_dir=out_dir), CompileMonitor(), OptimizeFSDP(),
         ]
+        from dream_trainer.callbacks import health_callbacks
+
+        self.health = health_callbacks()
         self.times: dict[str, list[float]] = {v: [] for v in VARIANTS}  # wall clock
         self.cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}  # this thread's CPU time
         self.gc_collections: dict[str, list[int]] = {v: [] for v in VARIANTS}
@@ -118,13 +123,20 @@ class Interleave(Callback[Any]):
         self.cpu["raw"].append(time.thread_time() - c0)
         self.gc_collections["raw"].append(self._collections() - gc0)
         variant = self.schedule[epoch]
-        for group, wanted in ((self.noops, variant == "dream+20cb"), (self.perf, variant == "dream+perf")):
+        groups = ((self.noops, variant == "dream+20cb"), (self.perf, variant == "dream+perf"),
+                  (self.health, variant == "dream+health"))
+        for group, wanted in groups:
             attached = any(cb is group[0] for cb in self.trainer.callbacks)
             for cb in group if wanted != attached else ():
                 if wanted:
                     self.trainer.callbacks.add(cb)
+                    if group is self.health:
+                        cb.post_setup()  # attached mid-run: what it asks of the trainer at setup
                 else:
                     self.trainer.callbacks.remove(cb)
+            if group is self.health and wanted != attached and not wanted:
+                self.trainer.request_grad_norm(False)  # what the monitors asked for, withdrawn
+                self.trainer.request_backward_loss(False)
         self._variant = variant
         self._gc0 = self._collections()
         self._c0, self._t0 = time.thread_time(), time.perf_counter()

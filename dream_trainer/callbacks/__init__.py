@@ -17,6 +17,15 @@ from dream_trainer.callbacks.base import CONTEXT_HOOKS, HOOKS, Callback, RankZer
 from dream_trainer.callbacks.collection import CallbackCollection, CallbackDependencyError
 
 if TYPE_CHECKING:
+    from dream_trainer.callbacks.monitors import (
+        AnomalyDetectorCallback,
+        GradientMonitorCallback,
+        LossMonitorCallback,
+        MemoryMonitorCallback,
+        ThroughputMonitorCallback,
+        TrainingDashboardCallback,
+        health_callbacks,
+    )
     from dream_trainer.callbacks.checkpoint import CheckpointCallback
     from dream_trainer.callbacks.compile_monitor import CompileMonitor
     from dream_trainer.callbacks.fp8 import Fp8Quantization
@@ -28,6 +37,13 @@ if TYPE_CHECKING:
     from dream_trainer.callbacks.progress import ProgressBar
 
 _SHIPPED = {
+    "AnomalyDetectorCallback": "dream_trainer.callbacks.monitors",
+    "GradientMonitorCallback": "dream_trainer.callbacks.monitors",
+    "LossMonitorCallback": "dream_trainer.callbacks.monitors",
+    "MemoryMonitorCallback": "dream_trainer.callbacks.monitors",
+    "ThroughputMonitorCallback": "dream_trainer.callbacks.monitors",
+    "TrainingDashboardCallback": "dream_trainer.callbacks.monitors",
+    "health_callbacks": "dream_trainer.callbacks.monitors",
     "CheckpointCallback": "dream_trainer.callbacks.checkpoint",
     "CompileMonitor": "dream_trainer.callbacks.compile_monitor",
     "FindGraphBreaksCallback": "dream_trainer.callbacks.graph_breaks",
@@ -42,6 +58,7 @@ _SHIPPED = {
 __all__ = [
     "CONTEXT_HOOKS",
     "HOOKS",
+    "AnomalyDetectorCallback",
     "Callback",
     "CallbackCollection",
     "CallbackDependencyError",
@@ -49,7 +66,10 @@ __all__ = [
     "CompileMonitor",
     "FindGraphBreaksCallback",
     "Fp8Quantization",
+    "GradientMonitorCallback",
     "LoggerCallback",
+    "LossMonitorCallback",
+    "MemoryMonitorCallback",
     "OptimizeFSDP",
     "PerformanceReport",
     "ProfileCallback",
@@ -57,6 +77,9 @@ __all__ = [
     "RankZeroCallback",
     "SkipBatch",
     "StopTraining",
+    "ThroughputMonitorCallback",
+    "TrainingDashboardCallback",
+    "health_callbacks",
 ]
 
 

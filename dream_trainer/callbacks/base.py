@@ -125,8 +125,8 @@ class Callback(Generic[TrainerT]):
     critical: ClassVar[bool] = True
     order: ClassVar[int] = 0
     max_consecutive_failures: ClassVar[int] = 3
-    vetoes_steps: ClassVar[bool] = False
-    skips_batches: ClassVar[bool] = False
+    vetoes_steps: bool = False  # a class attribute; an instance may set its own in __init__
+    skips_batches: bool = False
     log_every_n_steps: int | None = None
 
     # -- lifecycle -------------------------------------------------------------------

@@ -194,8 +194,8 @@ class CallbackCollection(DispatchMixin):
         #: The log intervals of the callbacks that have their own (`Callback.log_every_n_steps`).
         self.log_intervals = sorted({cb.log_every_n_steps for cb in every if cb.log_every_n_steps})
         #: Whether some callback may veto optimizer steps / skip batches (the ranks then agree on each).
-        self.vetoes_steps = any(type(cb).vetoes_steps for cb in every)
-        self.skips_batches = any(type(cb).skips_batches for cb in every)
+        self.vetoes_steps = any(cb.vetoes_steps for cb in every)  # an instance may set its own
+        self.skips_batches = any(cb.skips_batches for cb in every)
         #: Whether any callback returns a context for training / validation steps.
         self.has_train_context = bool(self._contexts["train_context"])
         self.has_validation_context = bool(self._contexts["validation_context"])
@@ -232,7 +232,7 @@ class CallbackCollection(DispatchMixin):
             request = getattr(self._trainer, "request_stop" if isinstance(exc, StopTraining) else "request_skip_batch", None)
             if request is None:
                 raise exc
-            if isinstance(exc, SkipBatch) and not type(callback).skips_batches:
+            if isinstance(exc, SkipBatch) and not callback.skips_batches:
                 raise RuntimeError(
                     f"callback {type(callback).__name__} raised SkipBatch but does not declare "
                     "skips_batches = True (the ranks agree on skipped batches only then)"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -23,13 +24,22 @@ class LoggerCallback(RankZeroCallback[AbstractTrainer]):
     Files are flushed at the end of every epoch and validation, and closed in `on_teardown`
     (every path: finished, stopped, preempted or failed). Not critical: a failing disk never
     stops training.
+
+    A console sink too, by `verbosity`: 0 (default) prints nothing, 1 a summary line per
+    epoch (its mean training loss and the latest validation and epoch metrics), 2 also every
+    `on_log` call as it comes. It writes to `console` (default: stdout).
     """
 
     critical = False
 
-    def __init__(self, subdir: str = "logs", tensorboard: bool = True, jsonl: bool = True):
-        if not (tensorboard or jsonl):
-            raise ValueError("LoggerCallback needs at least one sink: tensorboard=True or jsonl=True")
+    def __init__(self, subdir: str = "logs", tensorboard: bool = True, jsonl: bool = True, verbosity: int = 0,
+                 console: IO[str] | None = None):
+        if not (tensorboard or jsonl or verbosity):
+            raise ValueError("LoggerCallback needs at least one sink: tensorboard=True, jsonl=True or verbosity > 0")
+        if verbosity not in (0, 1, 2):
+            raise ValueError(f"LoggerCallback(verbosity={verbosity!r}) is invalid: expected 0 (quiet), 1 (epoch "
+                             "summaries) or 2 (every log step)")
+        self.verbosity, self.console = verbosity, console
         self.subdir = subdir
         self.tensorboard = tensorboard
         self.jsonl = jsonl
@@ -62,6 +72,11 @@ class LoggerCallback(RankZeroCallback[AbstractTrainer]):
             record = {"step": step, "time": time.time()}
             record.update({k: v if math.isfinite(v) else str(v) for k, v in metrics.items()})
             self._file.write(json.dumps(record) + "\n")
+        if self.verbosity >= 2:
+            self._print(f"step {step}: " + "  ".join(f"{k}={_short(v)}" for k, v in metrics.items()))
+
+    def _print(self, line: str) -> None:
+        print(line, file=self.console or sys.stdout, flush=True)
 
     def _flush(self) -> None:
         if self._writer is not None:
@@ -71,6 +86,14 @@ class LoggerCallback(RankZeroCallback[AbstractTrainer]):
 
     def post_train_epoch(self, result: dict[str, Any]) -> None:
         self._flush()
+        if self.verbosity >= 1:
+            trainer = self.trainer
+            loss = result.get("loss")
+            parts = [f"epoch {trainer.current_epoch} done at step {trainer.global_step}"]
+            if loss is not None:
+                parts.append(f"mean loss {float(loss):.4g}")  # the epoch's end: a deliberate read
+            parts += [f"{k}={_short(v)}" for k, v in sorted(trainer.logged_metrics.items()) if not k.startswith("train/")]
+            self._print(" | ".join(parts))
 
     def post_validation_epoch(self, result: dict[str, Any]) -> None:
         self._flush()
@@ -85,3 +108,7 @@ class LoggerCallback(RankZeroCallback[AbstractTrainer]):
 
     def on_teardown(self, status: str) -> None:
         self.close()
+
+
+def _short(value: float) -> str:
+    return f"{value:.4g}"

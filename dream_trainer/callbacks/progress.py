@@ -12,7 +12,8 @@ from dream_trainer.trainer.abstract import AbstractTrainer
 class ProgressBar(RankZeroCallback[AbstractTrainer]):
     """A tqdm progress bar over each training epoch.
 
-    Shows the optimizer step, the last logged loss and learning rate, and tqdm's rate.
+    Shows the optimizer step, the last logged loss and learning rate, tqdm's rate, and the
+    short fields monitors publish in ``trainer.display_fields`` (e.g. memory use).
     When the epoch length is unknown (an iterable loader without ``__len__``) the total is
     estimated from the previous epoch and marked with ``~``.
 
@@ -72,6 +73,7 @@ class ProgressBar(RankZeroCallback[AbstractTrainer]):
         for key, short in (("train/loss", "loss"), ("train/lr", "lr"), ("val/loss", "val_loss")):
             if key in metrics:
                 self._postfix[short] = f"{metrics[key]:.4g}"
+        self._postfix.update(getattr(self.trainer, "display_fields", {}))  # e.g. a memory monitor's "mem"
         self._bar.set_postfix(self._postfix, refresh=False)
 
     def post_train_epoch(self, result: dict[str, Any]) -> None:

@@ -83,7 +83,8 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin, PreemptionMixi
         self._skip_reason: str | None = None
         self._skip_flag: tuple[torch.Tensor, str] | None = None
         self._skip_batch_reason: str | None = None
-        self._grad_norm_wanted = self._stepped = self._step_open = False
+        self._grad_norm_wanted = self._track_backward_loss = self._stepped = self._step_open = False
+        self.display_fields: dict[str, str] = {}  # short status strings monitors publish for displays
         self._step_end = self._fetch_start = 0.0
         self._optimizer_params: dict[int, list[nn.Parameter]] = {}
         self._optimizer_models: dict[int, nn.Module | None] = {}

@@ -44,6 +44,7 @@ class StepMixin(AbstractTrainer):
     _skip_flag: tuple[torch.Tensor, str] | None
     _skip_batch_reason: str | None
     _grad_norm_wanted: bool
+    _track_backward_loss: bool
     _stepped: bool
     _step_open: bool
     _step_end: float
@@ -55,6 +56,8 @@ class StepMixin(AbstractTrainer):
     # ------------------------------------------------------------------ user API
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, scaled by 1/gradient_accumulation_steps when accumulating."""
+        if self._track_backward_loss:  # a monitor decides on this step's loss before its update
+            self.step_stats.add_backward(loss)
         accumulation = self.training_parameters.gradient_accumulation_steps  # type: ignore[attr-defined]
         if accumulation > 1:
             loss = loss / accumulation
@@ -97,7 +100,7 @@ class StepMixin(AbstractTrainer):
         cb = self.callbacks
         vetoes = cb.pre_optimizer_step(model, optimizer)  # type: ignore[arg-type]
         if vetoes:
-            undeclared = [v for v in vetoes if not type(cb[v]).vetoes_steps]
+            undeclared = [v for v in vetoes if not cb[v].vetoes_steps]
             if undeclared:
                 raise RuntimeError(
                     f"callback(s) {undeclared} returned False from pre_optimizer_step (a veto) but do not declare "
@@ -138,10 +141,15 @@ class StepMixin(AbstractTrainer):
         if self._skip_batch_reason is None:
             self._skip_batch_reason = str(reason)
 
-    def request_grad_norm(self) -> None:
+    def request_backward_loss(self, enabled: bool = True) -> None:
+        """Record the losses passed to `backward` (``step_stats.backward_loss``) from now
+        on: a device op per backward, only for those who ask (False: stop)."""
+        self._track_backward_loss = enabled
+
+    def request_grad_norm(self, enabled: bool = True) -> None:
         """Compute the pre-clip gradient norm on every step from now on
-        (``step_stats.grad_norm``), once per step for every reader."""
-        self._grad_norm_wanted = True
+        (``step_stats.grad_norm``), once per step for every reader (False: stop)."""
+        self._grad_norm_wanted = enabled
 
     def count_batch(self, batch: Any) -> tuple[int, int | None]:
         """``(samples, tokens)`` in a (micro-)batch, for ``step_stats`` and throughput.

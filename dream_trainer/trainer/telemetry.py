@@ -48,6 +48,9 @@ class StepStats:
         optimizer_s: the part inside ``trainer.step(optimizer)``: clipping, the optimizer
             hooks, the update, ``zero_grad`` and the schedulers.
         skipped: why this step was skipped (a veto, a skipped batch), else None.
+        backward_loss: the mean of the losses passed to ``trainer.backward`` in this step so
+            far (unscaled, a device tensor): complete in `pre_optimizer_step`, where a
+            policy deciding on this step's loss (a spike, a NaN) reads it.
     """
 
     step: int = 0
@@ -67,6 +70,14 @@ class StepStats:
     compute_s: float = 0.0
     optimizer_s: float = 0.0
     skipped: str | None = None
+    backward_sum: torch.Tensor | None = None
+    backward_count: int = 0
+
+    @property
+    def backward_loss(self) -> torch.Tensor | None:
+        if self.backward_sum is None:
+            return None
+        return self.backward_sum / self.backward_count
 
     @property
     def loss(self) -> torch.Tensor | None:
@@ -79,9 +90,17 @@ class StepStats:
     def begin(self) -> None:
         """Reset the per-step fields (the running totals stay)."""
         self.micro_batches = self.samples = 0
-        self.loss_sum = self.tokens = self.skipped = None
+        self.loss_sum = self.tokens = self.skipped = self.backward_sum = None
+        self.backward_count = 0
         self.grad_norm, self.clipped, self.lr = {}, {}, {}
         self.data_wait_s = self.compute_s = self.optimizer_s = 0.0
+
+    def add_backward(self, loss: torch.Tensor) -> None:
+        value = loss.detach()
+        if value.ndim or value.dtype != torch.float32:
+            value = value.float().mean()
+        self.backward_sum = value if self.backward_sum is None else self.backward_sum + value
+        self.backward_count += 1
 
     def count(self, samples: int, tokens: int | None) -> None:
         self.samples += samples

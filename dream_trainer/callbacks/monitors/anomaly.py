@@ -1,0 +1,141 @@
+"""`AnomalyDetectorCallback`: NaN/Inf in the loss or the gradients, with a policy."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from dream_trainer.callbacks.monitors._base import Monitor, check_int
+
+logger = logging.getLogger(__name__)
+
+_POLICIES = ("skip", "halt", "warn")
+_REASON = "non-finite loss or gradients"
+
+
+class AnomalyError(RuntimeError):
+    """A non-finite loss or gradient under the ``halt`` policy, or too many skipped steps."""
+
+
+class AnomalyDetectorCallback(Monitor):
+    """Catch a NaN or Inf in the step's loss or in any gradient, before the update.
+
+    The check is one fused device computation per optimizer step: the loss passed to
+    ``trainer.backward`` (``step_stats.backward_loss``) and the total gradient norm the trainer
+    computes anyway (``step_stats.grad_norm``: it is non-finite exactly when some gradient
+    element is). What happens then is the `policy`:
+
+    - ``"skip"`` (default): the update is not applied on any rank — the flag goes to
+      ``trainer.skip_step_if`` and the ranks agree through the trainer's one all-reduce; the
+      gradients are dropped. The skip is counted (``train/skipped_steps``) and logged with the
+      batch index; after `max_consecutive` skips in a row the run halts with `AnomalyError`.
+    - ``"halt"``: the flag is read (once per step) and a non-finite step raises `AnomalyError`
+      naming the parameters whose gradients are non-finite, with suggestions.
+    - ``"warn"``: nothing is read on ordinary steps; on its log steps it logs
+      ``train/nonfinite_steps`` and warns when it grew.
+
+    Critical under ``skip`` and ``halt`` (it enforces the policy you chose), not under
+    ``warn``. Its counters are saved in checkpoints.
+    """
+
+    def __init__(self, policy: str = "skip", max_consecutive: int = 10, log_interval: int = 100):
+        super().__init__(log_interval)
+        if policy not in _POLICIES:
+            raise ValueError(f"AnomalyDetectorCallback(policy={policy!r}) is invalid: expected one of {list(_POLICIES)}")
+        check_int("AnomalyDetectorCallback", "max_consecutive", max_consecutive, 1)
+        self.policy, self.max_consecutive = policy, max_consecutive
+        self.critical = policy != "warn"
+        self.vetoes_steps = policy == "skip"
+        self.skipped_steps = 0
+        self.consecutive = 0
+        self.events: list[tuple[int, int]] = []  # (step, batch index) of skipped steps
+        self._nonfinite: torch.Tensor | None = None  # "warn": a device count
+        self._reported = 0.0
+        self._names: dict[int, str] = {}
+
+    def post_setup(self) -> None:
+        self.trainer.request_grad_norm()
+        self.trainer.request_backward_loss()
+
+    def _flag(self, optimizer: Any) -> torch.Tensor | None:
+        stats = self.trainer.step_stats
+        key = id(optimizer)
+        if key not in self._names:
+            self._names[key] = next((n for n, opt in self.trainer.named_optimizers().items() if opt is optimizer), "")
+        norm = stats.grad_norm.get(self._names[key])
+        loss = stats.backward_loss
+        if norm is None or loss is None:
+            parts = [t for t in (loss, norm) if t is not None]
+            return ~torch.isfinite(parts[0]) if parts else None
+        return ~torch.isfinite(loss + norm)  # one op: NaN or Inf in either propagates
+
+    def pre_optimizer_step(self, model: Any, optimizer: Any) -> None:
+        flag = self._flag(optimizer)
+        if flag is None:
+            return
+        if self.policy == "skip":
+            self.trainer.skip_step_if(flag, _REASON)
+        elif self.policy == "halt":
+            if bool(flag):  # deliberate: halting is a decision made before this update
+                raise AnomalyError(self._diagnosis(model))
+        else:
+            self._nonfinite = flag.float() if self._nonfinite is None else self._nonfinite + flag.float()
+
+    def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
+        trainer = self.trainer
+        if trainer.is_accumulating_gradients:
+            return
+        if trainer.step_skipped and trainer.step_stats.skipped == _REASON:
+            self.skipped_steps += 1
+            self.consecutive += 1
+            self.events.append((trainer.global_step + 1, batch_idx))
+            logger.warning("non-finite loss or gradients in step %d (batch %d of epoch %d): the update was skipped on "
+                           "every rank (%d in a row)", trainer.global_step + 1, batch_idx, trainer.current_epoch, self.consecutive)
+            trainer.log_scalar("train/skipped_steps", float(self.skipped_steps))
+            if self.consecutive >= self.max_consecutive:
+                raise AnomalyError(
+                    f"{self.consecutive} optimizer steps in a row had a non-finite loss or gradients (last: step "
+                    f"{trainer.global_step + 1}); halting. {_SUGGESTIONS}"
+                )
+            return
+        if not trainer.step_skipped:
+            self.consecutive = 0
+        if self.policy == "warn" and self.due() and self._nonfinite is not None:
+            count = float(self._nonfinite)  # read on log steps only
+            if count > self._reported:
+                logger.warning("%d step(s) with a non-finite loss or gradients so far (policy 'warn': applied anyway)",
+                               count)
+                self._reported = count
+            trainer.log_scalar("train/nonfinite_steps", count)
+
+    def _diagnosis(self, model: Any) -> str:
+        stats = self.trainer.step_stats
+        loss = stats.backward_loss
+        bad = []
+        for name, param in (model.named_parameters() if model is not None else []):
+            grad = param.grad
+            if grad is not None:
+                local = grad.to_local() if hasattr(grad, "to_local") else grad
+                if not bool(torch.isfinite(local).all()):
+                    bad.append(name)
+        where = f"gradients of {len(bad)} parameter(s): {', '.join(bad[:12])}{' ...' if len(bad) > 12 else ''}" if bad else \
+            "the gradients are finite on this rank"
+        loss_text = f"loss {float(loss):.4g}" if loss is not None else "no loss recorded"
+        return (f"non-finite values at step {self.trainer.global_step + 1} (policy 'halt'): {loss_text}; {where}. "
+                f"{_SUGGESTIONS}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped_steps": self.skipped_steps, "consecutive": self.consecutive, "events": list(self.events),
+                "nonfinite": float(self._nonfinite) if self._nonfinite is not None else 0.0}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.skipped_steps, self.consecutive = int(state["skipped_steps"]), int(state["consecutive"])
+        self.events = [tuple(e) for e in state["events"]]  # type: ignore[misc]
+        self._nonfinite = torch.tensor(float(state["nonfinite"]), device=self.trainer.world.device)
+
+
+_SUGGESTIONS = ("Try: a lower learning rate or a longer warm-up, gradient clipping (gradient_clip_val), "
+                "bfloat16 instead of float16, checking the inputs for NaN/Inf, or a loss that cannot overflow "
+                "(log-softmax, eps in divisions and logs).")

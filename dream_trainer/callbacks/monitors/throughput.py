@@ -1,0 +1,118 @@
+"""`ThroughputMonitorCallback`: step time, samples/s, tokens/s, MFU, progress and ETA."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from typing import Any
+
+import torch
+from torch import nn
+
+from dream_trainer.callbacks.monitors._base import Monitor, check_int
+
+# Dense bf16 peaks per GPU (FLOP/s), for MFU when `peak_flops` is not given.
+_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "V100": 125e12}
+
+
+class ThroughputMonitorCallback(Monitor):
+    """Speed, from ``trainer.step_stats`` (host clocks and batch shapes: no sync).
+
+    On its log steps: ``train/step_time`` (median seconds per optimizer step over the last
+    `window` steps), ``train/samples_per_sec`` and ``train/tokens_per_sec`` (across
+    data-parallel ranks: exact on the trainer's log steps, from ``step_stats.world_*``;
+    this rank's rate times the data-parallel size otherwise), ``train/mfu`` when the FLOPs
+    per token are known (`flops_per_token`; ``"auto"``: 6 x the parameters outside
+    embeddings, the dense-transformer estimate) and so is the peak (`peak_flops` per device,
+    or a known GPU), and after `warmup_steps`: ``train/progress_pct`` and ``train/eta``
+    (seconds). Counts come from ``trainer.count_batch`` (override it for your batches). On
+    CUDA, each log step is also timed on the device with events: ``train/step_time_device``
+    (the only sync it adds, on log steps).
+    """
+
+    def __init__(self, log_interval: int = 100, window: int = 20, warmup_steps: int = 10,
+                 flops_per_token: float | str | None = "auto", peak_flops: float | None = None):
+        super().__init__(log_interval)
+        check_int("ThroughputMonitorCallback", "window", window, 1)
+        check_int("ThroughputMonitorCallback", "warmup_steps", warmup_steps, 0)
+        if not (flops_per_token is None or flops_per_token == "auto" or isinstance(flops_per_token, (int, float))):
+            raise ValueError(f"ThroughputMonitorCallback(flops_per_token={flops_per_token!r}): a number, 'auto' or None")
+        self.window, self.warmup_steps, self.flops_per_token, self.peak_flops = window, warmup_steps, flops_per_token, peak_flops
+        self.times: deque[float] = deque(maxlen=window)
+        self._last: tuple[float, int, int | None, bool] | None = None
+        self._events: tuple[Any, Any] | None = None
+
+    def post_setup(self) -> None:
+        if self.flops_per_token == "auto":
+            params = sum(p.numel() for m in self.trainer.named_models().values() for mod in m.modules()
+                         if not isinstance(mod, nn.Embedding) for p in mod.parameters(recurse=False))
+            self.flops_per_token = 6.0 * params
+        if self.peak_flops is None and self.trainer.world.device.type == "cuda":
+            name = torch.cuda.get_device_name(self.trainer.world.device)
+            self.peak_flops = next((v for k, v in _PEAK_FLOPS.items() if k in name), None)
+
+    def pre_train_step(self, batch: Any, batch_idx: int) -> None:
+        trainer = self.trainer
+        if trainer.world.device.type == "cuda" and (trainer.global_step + 1) % self.log_interval == 0 and self._events is None:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._events = (start, None)
+
+    def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
+        if not self.step_done():
+            return
+        trainer, stats = self.trainer, self.trainer.step_stats
+        self.times.append(stats.step_time_s)
+        if self._events is not None and self._events[1] is None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events = (self._events[0], end)
+        if self.due():
+            self._log()
+
+    def totals(self) -> tuple[int, int | None, bool]:
+        """(samples, tokens, exact) since the start, across data-parallel ranks."""
+        trainer, stats = self.trainer, self.trainer.step_stats
+        if trainer.global_step % trainer.logging_parameters.log_every_n_steps == 0:  # world totals refreshed now
+            return stats.world_samples, stats.world_tokens, True
+        dp = trainer.world.dp_size
+        return stats.total_samples * dp, (stats.total_tokens * dp if stats.total_tokens is not None else None), False
+
+    def _log(self) -> None:
+        trainer = self.trainer
+        now = time.perf_counter()
+        samples, tokens, exact = self.totals()
+        metrics: dict[str, float] = {"train/step_time": statistics.median(self.times)}
+        if self._last is not None:
+            then, samples0, tokens0, _ = self._last
+            elapsed = now - then
+            metrics["train/samples_per_sec"] = (samples - samples0) / elapsed
+            if tokens is not None and tokens0 is not None:
+                metrics["train/tokens_per_sec"] = (tokens - tokens0) / elapsed
+                if isinstance(self.flops_per_token, (int, float)) and self.peak_flops:
+                    achieved = metrics["train/tokens_per_sec"] * self.flops_per_token
+                    metrics["train/mfu"] = achieved / (self.peak_flops * trainer.world.world_size)
+        self._last = (now, samples, tokens, exact)
+        total = self.total_steps()
+        if total and trainer.global_step > self.warmup_steps:
+            metrics["train/progress_pct"] = 100.0 * trainer.global_step / total
+            metrics["train/eta"] = max(0, total - trainer.global_step) * metrics["train/step_time"]
+        if self._events is not None and self._events[1] is not None:
+            start, end = self._events
+            end.synchronize()  # deliberate, on log steps only
+            metrics["train/step_time_device"] = start.elapsed_time(end) / 1e3
+            self._events = None
+        trainer.log_dict(metrics)
+
+    def total_steps(self) -> int | None:
+        """The optimizer steps the run will take (None: unknown)."""
+        trainer = self.trainer
+        tp = trainer.training_parameters
+        per_epoch = trainer.train_steps_per_epoch
+        by_epochs = None
+        if tp.n_epochs is not None and per_epoch is not None:
+            by_epochs = tp.n_epochs * math.ceil(per_epoch / tp.gradient_accumulation_steps)
+        candidates = [n for n in (tp.max_steps, by_epochs) if n is not None]
+        return min(candidates) if candidates else None
