@@ -253,3 +253,29 @@ def test_console_verbosity(verbosity, lines):
         assert len(summaries) == 2 and not steps and "mean loss" in summaries[0] and "val/loss=" in summaries[1]
     else:
         assert len(summaries) == 2 and len(steps) == 8 and "train/loss=" in steps[0]  # 6 train + 2 val logs
+
+
+class GradNorms(Callback):
+    """The per-parameter gradient norms of every 4th step by hand, and what was logged."""
+
+    def __init__(self):
+        self.norms, self.logged = {}, {}
+
+    def pre_optimizer_step(self, model, optimizer):
+        if (self.trainer.global_step + 1) % 4 == 0:
+            self.norms[self.trainer.global_step + 1] = {n: p.grad.norm().item() for n, p in model.named_parameters()}
+
+    def on_log(self, metrics, step):
+        self.logged.setdefault(step, {}).update(metrics)
+
+
+def test_top_k_layer_norms():
+    hand = GradNorms()
+    trainer = ToyTrainer(config([GradientMonitorCallback(log_interval=4, top_k_layers=2), hand], log_every=4))
+    trainer.fit()
+    assert sorted(hand.norms) == [4, 8, 12, 16, 20, 24]
+    for step, norms in hand.norms.items():
+        logged = {k[len("train/grad_norm/"):]: v for k, v in hand.logged[step].items() if k.startswith("train/grad_norm/")}
+        top = sorted(norms, key=norms.get, reverse=True)[:2]
+        assert sorted(logged) == sorted(top) and all(logged[n] == pytest.approx(norms[n], rel=1e-5) for n in top)
+        assert hand.logged[step]["train/grad_norm"] >= max(logged.values())
