@@ -289,7 +289,10 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin, PreemptionMixi
         start = batch_idx = self.local_batches - 1  # > -1 when resuming mid-epoch
         self._fetch_start = self._step_end = time.perf_counter()  # the first wait includes making the iterator
         try:
-            for batch_idx, (batch, is_last) in enumerate(self._epoch_batches(), self.local_batches):
+            for batch, is_last in self._epoch_batches():
+                # Read after the fetch: state restored between two steps (a torchft heal,
+                # at the fetch) moves the counters, and the loop goes on from there.
+                batch_idx = self.local_batches
                 self.local_batches = batch_idx + 1
                 self.is_accumulating_gradients = accumulating = not is_last and (batch_idx + 1) % accumulation != 0
                 self.is_last_batch = is_last or (

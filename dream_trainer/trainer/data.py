@@ -3,8 +3,9 @@ continues from. A mixin of `BaseTrainer` (no ``__init__``; its attributes are se
 
 The data position of a rank (saved under ``ranks.rank<N>.data``):
 
-- a stateful loader (torchdata's ``StatefulDataLoader``, anything with ``state_dict``)
-  saves and restores its own position;
+- a stateful loader (torchdata's ``StatefulDataLoader``, anything with ``state_dict``),
+  or a loader whose batch sampler is stateful (`FaultTolerantSampler`), saves and restores
+  its own position;
 - any other loader is re-created and fast-forwarded past the batches already consumed.
   Its order comes from the RNG states when its iterator is created — a shuffling
   sampler's ``generator`` (``DataLoader(shuffle=True, generator=g)``) or, without one, the
@@ -28,9 +29,19 @@ from dream_trainer.utils import rng_state, set_rng_state
 logger = logging.getLogger(__name__)
 
 
+def state_owner(loader: Any) -> Any:
+    """What saves a dataloader's position itself: the loader (torchdata's
+    ``StatefulDataLoader``), else its batch sampler (e.g. `FaultTolerantSampler`), else
+    None (the trainer re-creates and fast-forwards it)."""
+    for obj in (loader, getattr(loader, "batch_sampler", None)):
+        if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+            return obj
+    return None
+
+
 def is_stateful(loader: Any) -> bool:
-    """Whether a dataloader saves its own position (torchdata's ``StatefulDataLoader``)."""
-    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+    """Whether a dataloader (or its batch sampler) saves its own position."""
+    return state_owner(loader) is not None
 
 
 def loader_generators(loader: Any) -> list[torch.Generator]:
@@ -74,6 +85,8 @@ class DataMixin(AbstractTrainer):
         if start and not self._loader_restored:
             skipped = sum(1 for _ in itertools.islice(iterator, start))
             logger.info("resuming epoch %d at batch %d: skipped %d batches", self.current_epoch, start, skipped)
+        if self.world.announces_batches:  # e.g. a fault-tolerant world: its quorum before each step's data
+            iterator = _announced(iterator, self._announce_batch)
         self._loader_restored, self._data_snapshot = False, None
         if self._resume_rng is not None:
             set_rng_state(self._resume_rng)
@@ -89,10 +102,14 @@ class DataMixin(AbstractTrainer):
         snapshot = self._snapshot_data if is_stateful(loader) else None
         return _with_last(iterator, remaining, snapshot)
 
+    def _announce_batch(self) -> None:
+        accumulation = self.training_parameters.gradient_accumulation_steps  # type: ignore[attr-defined]
+        self.world.before_batch(starts_step=self.local_batches % accumulation == 0)
+
     def _snapshot_data(self) -> None:
         # Looking one batch ahead moves a stateful loader past the current batch; keep its
         # position from before the lookahead for `state_dict`.
-        self._data_snapshot = self.train_dataloader.state_dict()  # type: ignore[union-attr]
+        self._data_snapshot = state_owner(self.train_dataloader).state_dict()
 
     def _agreed_length(self, loader: Iterable[Any], configured: int | None, what: str) -> int | None:
         """The epoch length every rank uses: the configured one, else the smallest
@@ -137,8 +154,9 @@ class DataMixin(AbstractTrainer):
     def _data_position(self) -> dict[str, Any]:
         """This rank's data position (see the module docstring)."""
         loader = self.train_dataloader
-        if is_stateful(loader):
-            return {"loader": self._data_snapshot if self._data_snapshot is not None else loader.state_dict()}  # type: ignore[union-attr]
+        owner = state_owner(loader)
+        if owner is not None:
+            return {"loader": self._data_snapshot if self._data_snapshot is not None else owner.state_dict()}
         mid_epoch = self.local_batches > 0 and not self._epoch_complete
         return {
             "epoch_start": self._epoch_start_state if mid_epoch else None,
@@ -146,9 +164,9 @@ class DataMixin(AbstractTrainer):
         }
 
     def _restore_data_position(self, position: dict[str, Any]) -> None:
-        loader = self.train_dataloader
-        if position.get("loader") is not None and is_stateful(loader):
-            loader.load_state_dict(position["loader"])  # type: ignore[union-attr]
+        owner = state_owner(self.train_dataloader)
+        if position.get("loader") is not None and owner is not None:
+            owner.load_state_dict(position["loader"])
             self._loader_restored = True
         elif position.get("epoch_start") is not None and self.local_batches:
             self._resume_epoch_start = position["epoch_start"]  # applied when the epoch's iterator is made
@@ -175,6 +193,17 @@ def _with_last(loader: Iterable[Any], limit: int | None, before_fetch: Any = Non
         yield current, False
         current = upcoming
     yield current, True
+
+
+def _announced(iterator: Iterator[Any], before: Any) -> Iterator[Any]:
+    """`iterator`, calling `before()` before each item is fetched."""
+    while True:
+        before()
+        try:
+            item = next(iterator)
+        except StopIteration:
+            return
+        yield item
 
 
 def set_epoch(loader: Any, epoch: int) -> None:

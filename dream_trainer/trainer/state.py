@@ -40,15 +40,21 @@ class StateMixin(AbstractTrainer):
         """This rank's key under ``state_dict()["ranks"]``."""
         return f"rank{self.world.rank}"
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, native_optimizers: bool = False) -> dict[str, Any]:
         """Everything needed to continue this run exactly (DCP-ready: sharded models and
-        optimizers give DTensor shards)."""
+        optimizers give DTensor shards).
+
+        `native_optimizers`: each optimizer's own ``optimizer.state_dict()`` instead of the
+        DCP form (keyed by parameter names, reshardable). Only for a peer with the same
+        parameters and layout (a torchft heal): it loads without the DCP helpers' extra
+        optimizer step that allocates a fresh state first."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         optimizers = {}
         for name, opt in self.named_optimizers().items():
             model = self.model_for(opt)
-            optimizers[name] = get_optimizer_state_dict(model, opt) if model is not None else opt.state_dict()
+            native = native_optimizers or model is None
+            optimizers[name] = opt.state_dict() if native else get_optimizer_state_dict(model, opt)
         callbacks = self.callbacks.state_dict()
         own = {name: state for name, state in callbacks.items() if not _holds_dtensor(state)}
         return {
@@ -77,10 +83,15 @@ class StateMixin(AbstractTrainer):
             },
         }
 
-    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True, live: bool = False) -> None:
         """Restore what `state_dict` returned. A missing ``ranks`` entry for this rank (a
         checkpoint written by fewer ranks) keeps the seeded RNG, replays the data position
-        by skipping batches and restores the callbacks from the shared copy, with a warning."""
+        by skipping batches and restores the callbacks from the shared copy, with a warning.
+
+        `live`: the loop is running and this is a point between two steps (a torchft heal,
+        before a step's data is fetched): the RNG is set at once, and the data position is
+        restored only where the loader (or its batch sampler) restores its own; the loop goes
+        on from the restored counters."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -91,11 +102,11 @@ class StateMixin(AbstractTrainer):
         for name, model in self.named_models().items():
             set_model_state_dict(model, state["models"][name], options=options)
         for name, opt in self.named_optimizers().items():
-            model = self.model_for(opt)
-            if model is not None:
-                set_optimizer_state_dict(model, opt, state["optimizers"][name], options=options)
+            model, saved = self.model_for(opt), state["optimizers"][name]
+            if model is not None and not _is_native(saved):
+                set_optimizer_state_dict(model, opt, saved, options=options)
             else:
-                opt.load_state_dict(state["optimizers"][name])
+                opt.load_state_dict(saved)
         for name, scheduler in self.named_schedulers().items():
             scheduler.load_state_dict(state["schedulers"][name])
 
@@ -135,7 +146,13 @@ class StateMixin(AbstractTrainer):
             )
             return
         self.callbacks.load_state_dict(callbacks)
-        self._restore_data_position(pickle.loads(mine["data"]))  # type: ignore[attr-defined]
+        position = pickle.loads(mine["data"])
+        if live:
+            if position.get("loader") is not None:
+                self._restore_data_position(position)  # type: ignore[attr-defined]
+            set_rng_state(mine["rng"])
+            return
+        self._restore_data_position(position)  # type: ignore[attr-defined]
         if self.local_batches:
             # Mid-epoch: the epoch's iterator is created again on resume (which may draw from
             # the RNG), so the RNG is restored after that, where the saved run stood.
@@ -149,3 +166,11 @@ def _holds_dtensor(state: Any) -> bool:
     from torch.utils._pytree import tree_leaves
 
     return any(isinstance(leaf, DTensor) for leaf in tree_leaves(state))
+
+
+def _is_native(optimizer_state: dict[str, Any]) -> bool:
+    """Whether an optimizer state is ``optimizer.state_dict()``'s (parameters by index), not
+    the DCP helpers' (by name)."""
+    groups = optimizer_state.get("param_groups") or [{}]
+    first = next((p for g in groups for p in g.get("params", ())), None)
+    return isinstance(first, int)

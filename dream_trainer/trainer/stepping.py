@@ -87,6 +87,7 @@ class StepMixin(AbstractTrainer):
             ]
         model = model if model is not None else self._optimizer_models[key]
         name, stats, world = self._optimizer_names[key], self.step_stats, self.world
+        world.sync_gradients(self._optimizer_params[key])  # a no-op but across replica groups (torchft)
         clip = self.training_parameters.gradient_clip_val  # type: ignore[attr-defined]
         norm = None
         if clip is not None:
@@ -107,7 +108,7 @@ class StepMixin(AbstractTrainer):
                     "vetoes_steps = True (the ranks agree on vetoed steps only then)"
                 )
             self.skip_step(f"vetoed by {', '.join(vetoes)}")
-        reason = self._agreed_skip()
+        reason = world.agree_on_step(self._agreed_skip())  # a fault-tolerant world: the quorum's commit
         if reason is not None:
             stats.skipped = reason
             self._drop_gradients(model, optimizer)

@@ -372,6 +372,27 @@ class DistributedWorld:
             torch._foreach_mul_(grads, coefficient.to(grads[0].device))
         return total
 
+    # ------------------------------------------------------------------ the step (seams)
+    announces_batches: bool = False
+    """Whether the trainer calls `before_batch` before fetching each training batch (a
+    world that decides per step, like `FaultTolerantWorld`, sets it)."""
+
+    def before_batch(self, starts_step: bool) -> None:
+        """Called before each training (micro-)batch is fetched when `announces_batches`;
+        `starts_step`: it is the first micro-batch of an optimizer step. A no-op here."""
+
+    def sync_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
+        """Called by ``trainer.step(optimizer)`` before clipping, with the optimizer's
+        parameters: communication the mesh's own modules do not do. A no-op here
+        (FSDP2/DDP modules reduce their gradients in backward); a fault-tolerant world
+        averages them across replica groups."""
+
+    def agree_on_step(self, skip_reason: str | None) -> str | None:
+        """The last word on the optimizer step about to be applied, after the ranks agreed
+        on `skip_reason` (None: apply it). Returns the reason to skip it, or None. Here:
+        `skip_reason` as it is; a fault-tolerant world commits only what its quorum agrees on."""
+        return skip_reason
+
     # ------------------------------------------------------------------ contexts
     def train_context(self) -> AbstractContextManager[Any] | None:
         """Autocast when `autocast_dtype` is configured, else None."""
