@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/fsdp_prefetch.py
 	$(PY) benchmarks/fp8.py
 	$(PY) benchmarks/health.py
+	$(PY) benchmarks/ft_recovery.py
 
 clean:
 	rm -rf $(VENV) site runs benchmarks/results

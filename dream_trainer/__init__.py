@@ -6,6 +6,7 @@ from dream_trainer.callbacks import (
     CallbackCollection,
     CallbackDependencyError,
     CheckpointCallback,
+    FaultToleranceCallback,
     LoggerCallback,
     ProgressBar,
     RankZeroCallback,
@@ -16,6 +17,7 @@ from dream_trainer.checkpoint import CheckpointError, CheckpointInfo, export_mod
 from dream_trainer.configs import (
     CheckpointParameters,
     DeviceParameters,
+    FaultToleranceParameters,
     LoggingParameters,
     TrainerConfig,
     TrainingParameters,
@@ -31,7 +33,14 @@ from dream_trainer.trainer import (
     StepStats,
     TrainingInterrupted,
 )
-from dream_trainer.world import DistributedWorld, MeshPlan, MeshPlanError, plan_mesh
+from dream_trainer.world import (
+    DistributedWorld,
+    FaultToleranceError,
+    FaultTolerantWorld,
+    MeshPlan,
+    MeshPlanError,
+    plan_mesh,
+)
 
 __version__ = "0.1.0"
 
@@ -52,6 +61,10 @@ __all__ = [
     "DeviceParameters",
     "DistributedWorld",
     "DreamTrainer",
+    "FaultToleranceCallback",
+    "FaultToleranceError",
+    "FaultToleranceParameters",
+    "FaultTolerantWorld",
     "LaunchResult",
     "LoggerCallback",
     "LoggingParameters",

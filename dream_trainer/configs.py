@@ -266,6 +266,76 @@ class CheckpointParameters:
 
 
 @dataclass(kw_only=True)
+class FaultToleranceParameters:
+    """Fault tolerance across replica groups with torchft (`FaultToleranceCallback`).
+
+    A *replica group* is one job (one process, or ``torchrun``/``--nproc`` ranks) holding
+    a full replica of the model (FSDP2/TP inside the group); the groups train together
+    through a torchft lighthouse and survive the loss of whole groups.
+
+    Attributes:
+        lighthouse: the lighthouse's address, ``"http://host:port"`` (start one with
+            ``python -m dream_trainer.ft lighthouse``). None: the ``TORCHFT_LIGHTHOUSE``
+            environment variable.
+        replica_group_id: this group's id, an int >= 0, distinct per group and the same
+            when a group is restarted. None: the ``REPLICA_GROUP_ID`` environment variable.
+        min_replica_size: the number of groups that must take part in a step for it to be
+            committed (with fewer, the step is not applied and the group waits for peers).
+        checkpoint_interval: steps between disk checkpoints while fault tolerant (the run's
+            `CheckpointCallback` saves every N steps; needs one). Healing from a live peer
+            persists nothing: these checkpoints are what survives losing every group at once.
+            None: the `CheckpointCallback`'s own schedule.
+        max_failures: how many replica-group losses (a group that took part in a step and
+            is missing from the next quorum) this group tolerates; one more halts the run
+            with `FaultToleranceError`. None: no limit.
+        heartbeat_interval: seconds between this group's heartbeats to the lighthouse (the
+            lighthouse declares a group dead after its own ``--heartbeat-timeout-ms``).
+        timeout_s: limit for one cross-group operation: the gradient all-reduce, the commit
+            vote, a heal's transfer.
+        quorum_timeout_s: limit for forming a quorum (waiting for the lighthouse).
+        connect_timeout_s: limit for reaching the lighthouse and the peers; an unreachable
+            lighthouse at start fails within it, before any model is built.
+        hostname: the address peers use to reach this group (its manager, its heal server
+            and, for a one-process group, its store). None: this machine's hostname when it
+            resolves, else ``127.0.0.1`` when the lighthouse is on loopback (else an error).
+        init_sync: at step 0, every group but one heals from that one (identical start even
+            if the groups' initializations differ). False: trust identical seeding.
+    """
+
+    lighthouse: str | None = None
+    replica_group_id: int | None = None
+    min_replica_size: int = 1
+    checkpoint_interval: int | None = None
+    max_failures: int | None = None
+    heartbeat_interval: float = 0.1
+    timeout_s: float = 60.0
+    quorum_timeout_s: float = 120.0
+    connect_timeout_s: float = 10.0
+    hostname: str | None = None
+    init_sync: bool = True
+
+    def __post_init__(self) -> None:
+        owner = "FaultToleranceParameters"
+        _flags(owner, self, "init_sync")
+        if self.lighthouse is not None and not _LIGHTHOUSE_RE.match(str(self.lighthouse)):
+            raise ValueError(
+                f"{owner}.lighthouse={self.lighthouse!r} is invalid: expected 'http://host:port' "
+                "(e.g. 'http://127.0.0.1:29510') or None (TORCHFT_LIGHTHOUSE)"
+            )
+        _positive_int(owner, "replica_group_id", self.replica_group_id, allow_none=True, allow_zero=True)
+        _positive_int(owner, "min_replica_size", self.min_replica_size)
+        _positive_int(owner, "checkpoint_interval", self.checkpoint_interval, allow_none=True)
+        _positive_int(owner, "max_failures", self.max_failures, allow_none=True, allow_zero=True)
+        for name in ("heartbeat_interval", "timeout_s", "quorum_timeout_s", "connect_timeout_s"):
+            _seconds(owner, name, getattr(self, name))
+        if self.hostname is not None and (not isinstance(self.hostname, str) or not self.hostname.strip()):
+            raise ValueError(f"{owner}.hostname={self.hostname!r} is invalid: expected a host name or address, or None")
+
+
+_LIGHTHOUSE_RE = re.compile(r"^https?://[^/:\s]+(:\d+)?/?$|^https?://\[[0-9a-fA-F:]+\](:\d+)?/?$")
+
+
+@dataclass(kw_only=True)
 class TrainerConfig:
     """Everything a trainer needs.
 

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     )
     from dream_trainer.callbacks.checkpoint import CheckpointCallback
     from dream_trainer.callbacks.compile_monitor import CompileMonitor
+    from dream_trainer.callbacks.fault_tolerance import FaultToleranceCallback
     from dream_trainer.callbacks.fp8 import Fp8Quantization
     from dream_trainer.callbacks.graph_breaks import FindGraphBreaksCallback
     from dream_trainer.callbacks.logger import LoggerCallback
@@ -46,6 +47,7 @@ _SHIPPED = {
     "health_callbacks": "dream_trainer.callbacks.monitors",
     "CheckpointCallback": "dream_trainer.callbacks.checkpoint",
     "CompileMonitor": "dream_trainer.callbacks.compile_monitor",
+    "FaultToleranceCallback": "dream_trainer.callbacks.fault_tolerance",
     "FindGraphBreaksCallback": "dream_trainer.callbacks.graph_breaks",
     "Fp8Quantization": "dream_trainer.callbacks.fp8",
     "LoggerCallback": "dream_trainer.callbacks.logger",
@@ -64,6 +66,7 @@ __all__ = [
     "CallbackDependencyError",
     "CheckpointCallback",
     "CompileMonitor",
+    "FaultToleranceCallback",
     "FindGraphBreaksCallback",
     "Fp8Quantization",
     "GradientMonitorCallback",

@@ -116,6 +116,16 @@ class GPTTrainer(DreamTrainer):
     def configure_dataloaders(self) -> tuple[DataLoader[Any], DataLoader[Any]]:
         world = self.world
         per_rank = max(1, self.args.batch_size // world.dp_size)
+        if self.args.ft_group is not None:  # fault tolerant: the training data follows the quorum
+            from dream_trainer.ft import FaultTolerantSampler
+
+            sampler = FaultTolerantSampler(self.train_set, per_rank, world, seed=self.seed or 0)
+            delay = self.args.data_delay_ms / 1000
+            train = DataLoader(self.train_set, batch_sampler=sampler,
+                               collate_fn=functools.partial(_slow_collate, delay) if delay else None)
+            val = DataLoader(self.val_set, batch_size=per_rank,
+                             sampler=DistributedSampler(self.val_set, world.dp_size, world.dp_rank, shuffle=False))
+            return train, val
 
         def loader(dataset: Any, shuffle: bool) -> DataLoader[Any]:
             sampler = DistributedSampler(
@@ -193,7 +203,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="write checkpoints in the background (the loop waits only for a copy)")
     p.add_argument("--resume", default="last",
                    help="'last' (the newest checkpoint of this run name), 'none', or a checkpoint path")
+    p.add_argument("--ft-group", type=int, default=None,
+                   help="fault tolerant (torchft): this job is replica group N (see examples/gpt/fault_tolerant.py)")
+    p.add_argument("--lighthouse", default=None, help="the lighthouse, http://host:port (default: TORCHFT_LIGHTHOUSE)")
     return p.parse_args(argv)
+
+
+def _fault_tolerance(args: argparse.Namespace) -> list[Callback[Any]]:
+    if args.ft_group is None:
+        return []
+    from dream_trainer import FaultToleranceCallback, FaultToleranceParameters
+
+    return [FaultToleranceCallback(FaultToleranceParameters(lighthouse=args.lighthouse, replica_group_id=args.ft_group,
+                                                            heartbeat_interval=0.1, timeout_s=30.0))]
 
 
 def main(argv: list[str] | None = None, callbacks: list[Callback[Any]] | None = None) -> GPTTrainer:
@@ -226,6 +248,7 @@ def main(argv: list[str] | None = None, callbacks: list[Callback[Any]] | None = 
                     monitor="val/loss",
                 )
             ),
+            *_fault_tolerance(args),
             *(callbacks or []),
         ],
     )

@@ -1,0 +1,117 @@
+"""A fault-tolerant run of the GPT demo on one machine: a lighthouse and N replica groups
+(torchft). Optionally one group is killed (SIGKILL, every process of it) in the middle of
+the run and restarted: the others keep training without it, and the restarted group heals
+from a live peer and trains with them again.
+
+    python examples/gpt/fault_tolerant.py                                # 2 groups x 1 process
+    python examples/gpt/fault_tolerant.py --kill-group 1 --kill-at 60    # kill group 1 at step 60, restart it
+    python examples/gpt/fault_tolerant.py --nproc 2 --parallel fsdp      # 2 groups x 2 ranks (FSDP2 in a group)
+
+Arguments after ``--`` go to every group's ``train.py`` (e.g. ``-- --steps 300``). Each group
+writes to ``<root-dir>/gpt/<run-name>/replica_group_<id>/`` (logs, checkpoints and
+``fault_tolerance.jsonl``, its quorum/heal events); a summary is printed at the end.
+
+By hand, the same is (one terminal each)::
+
+    python -m dream_trainer.ft lighthouse --bind 127.0.0.1:29510
+    python examples/gpt/train.py --ft-group 0 --lighthouse http://127.0.0.1:29510 --run-name ft
+    python examples/gpt/train.py --ft-group 1 --lighthouse http://127.0.0.1:29510 --run-name ft
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+
+from dream_trainer.ft import Lighthouse  # noqa: E402
+from dream_trainer.testing.ft import ReplicaGroup  # noqa: E402
+
+
+def run(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the demo; returns the summary (also printed)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--groups", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=1, help="ranks per group")
+    p.add_argument("--parallel", default="ddp", help="the layout inside a group (train.py --parallel)")
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--kill-group", type=int, default=None, help="SIGKILL this group once it reached --kill-at")
+    p.add_argument("--kill-at", type=int, default=40, help="the step at which the group is killed")
+    p.add_argument("--restart-after", type=float, default=2.0, help="seconds before the killed group is restarted")
+    p.add_argument("--heartbeat-timeout-ms", type=int, default=1000)
+    p.add_argument("--root-dir", default="runs")
+    p.add_argument("--run-name", default=f"ft-{time.strftime('%Y%m%d-%H%M%S')}")
+    p.add_argument("--timeout", type=float, default=600.0, help="give up (and kill everything) after this many seconds")
+    args = p.parse_args(argv)
+    root = Path(args.root_dir)
+    train_args = ["--steps", str(args.steps), "--run-name", args.run_name, "--root-dir", str(root),
+                  "--parallel", args.parallel, *(["--nproc", str(args.nproc)] if args.nproc > 1 else []), *extra]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    deadline = time.monotonic() + args.timeout
+    with Lighthouse(bind="127.0.0.1:0", heartbeat_timeout_ms=args.heartbeat_timeout_ms, join_timeout_ms=200) as lh:
+        env["TORCHFT_LIGHTHOUSE"] = lh.address
+        groups = [ReplicaGroup([sys.executable, str(HERE / "train.py"), "--ft-group", str(g), *train_args],
+                               root / "gpt" / args.run_name / f"replica_group_{g}", env) for g in range(args.groups)]
+        print(f"lighthouse at {lh.address}; {args.groups} replica group(s) x {args.nproc} rank(s)", flush=True)
+        try:
+            for group in groups:
+                group.start()
+            victim = groups[args.kill_group] if args.kill_group is not None else None
+            if victim is not None:
+                while not victim.reached(args.kill_at, args.groups):
+                    _check(groups, deadline)
+                    time.sleep(0.05)
+                victim.kill()
+                print(f"killed replica group {args.kill_group} (SIGKILL) at step {args.kill_at}", flush=True)
+                time.sleep(args.restart_after)
+                victim.start()
+                print(f"restarted replica group {args.kill_group}", flush=True)
+            while any(g.alive for g in groups):
+                _check(groups, deadline)
+                time.sleep(0.1)
+        finally:
+            for group in groups:
+                group.kill()
+    return _summary(groups)
+
+
+def _check(groups: list[ReplicaGroup], deadline: float) -> None:
+    for g, group in enumerate(groups):
+        if group.returncode not in (None, 0):
+            raise RuntimeError(f"replica group {g} exited with status {group.returncode}")
+    if time.monotonic() > deadline:
+        raise TimeoutError("the fault-tolerant demo did not finish in time")
+
+
+def _summary(groups: list[ReplicaGroup]) -> dict[str, Any]:
+    summary: dict[str, Any] = {"groups": {}}
+    for g, group in enumerate(groups):
+        events = group.events()
+        steps = [e for e in events if e["event"] == "step"]
+        info = {
+            "exit_code": group.returncode,
+            "dir": str(group.dir),
+            "starts": group.starts,
+            "last_step": max((e["step"] for e in steps), default=0),
+            "heals": [round(e["seconds"], 3) for e in events if e["event"] == "heal"],
+            "quorums": [(e["step"], e["participants"]) for e in events if e["event"] == "quorum"],
+            "not_committed": [e["step"] for e in events if e["event"] == "not_committed"],
+            "replicas_lost": sum(e["lost"] for e in events if e["event"] == "replica_lost"),
+        }
+        summary["groups"][g] = info
+        print(f"replica group {g}: {info}", flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    result = run()
+    sys.exit(0 if all(g["exit_code"] == 0 for g in result["groups"].values()) else 1)
