@@ -322,18 +322,21 @@ class FaultTolerantWorld(DistributedWorld):
         from torch.distributed.tensor import DTensor
 
         manager = self.manager
-        buckets: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
+        buckets: dict[tuple[torch.dtype, torch.device], list[tuple[int, list[torch.Tensor]]]] = {}
         for p in parameters:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            chunks = buckets.setdefault((grad.dtype, grad.device), [[]])
-            if chunks[-1] and sum(t.numel() for t in chunks[-1]) + grad.numel() > _BUCKET:
-                chunks.append([])
-            chunks[-1].append(grad)
+            chunks = buckets.setdefault((grad.dtype, grad.device), [(0, [])])
+            size, tensors = chunks[-1]
+            if tensors and size + grad.numel() > _BUCKET:
+                chunks.append((0, []))
+                size, tensors = chunks[-1]
+            tensors.append(grad)
+            chunks[-1] = (size + grad.numel(), tensors)
         pending = []
         for chunks in buckets.values():
-            for tensors in chunks:
+            for _, tensors in chunks:
                 flat = torch._utils._flatten_dense_tensors(tensors)
                 pending.append((manager.allreduce(flat), flat, tensors))
         for work, flat, tensors in pending:
