@@ -158,8 +158,10 @@ class FaultTolerantWorld(DistributedWorld):
         participants: groups taking part in the current step (1 when alone).
         replica_rank: this group's rank among them.
         replica_losses: groups lost since the start (a participant missing from the next quorum).
-        events: what happened, oldest first: dicts with ``event`` (``"quorum"``, ``"heal"``,
-            ``"not_committed"``, ``"replica_lost"``), ``step``, ``time`` and details.
+        on_event: called with each event, a dict with ``event`` (``"quorum"``, ``"heal"``,
+            ``"heal_sent"``, ``"not_committed"``, ``"replica_lost"``), ``step``, ``time`` and
+            details (`FaultToleranceCallback` writes them to ``fault_tolerance.jsonl``);
+            ``heal_sent`` comes from torchft's quorum thread.
     """
 
     announces_batches = True
@@ -176,7 +178,6 @@ class FaultTolerantWorld(DistributedWorld):
         self.participants = 0
         self.replica_rank: int | None = None
         self.replica_losses = 0
-        self.events: list[dict[str, Any]] = []
         self.on_event: Callable[[dict[str, Any]], None] | None = None
         self._store: Any = None
         self._replica_pg: Any = None  # the process group across groups (torchft reconfigures it per quorum)
@@ -387,7 +388,6 @@ class FaultTolerantWorld(DistributedWorld):
 
     def _event(self, name: str, **details: Any) -> None:
         event = {"event": name, "step": self._token, "time": time.time(), "group": self.group_id, **details}
-        self.events.append(event)
         if self.on_event is not None:
             self.on_event(event)
 

@@ -51,6 +51,17 @@ def _wait_until(condition, groups, timeout=120.0):
         time.sleep(0.05)
 
 
+def _run(groups, *timeouts):
+    """Start the groups and wait for each (its timeout); every process is ended whatever happens."""
+    try:
+        for group in groups:
+            group.start()
+        return [group.wait(timeout=timeout) for group, timeout in zip(groups, timeouts)]
+    finally:
+        for group in groups:
+            group.kill()
+
+
 def _samples(group, rank=0):
     path = group.dir / f"samples.rank{rank}.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
@@ -124,13 +135,7 @@ def test_a_peer_dies_inside_the_gradient_all_reduce(tmp_path, lighthouse):
     trained twice in a step, and no committed sample twice."""
     groups = [_worker(tmp_path, 0, lighthouse, "--steps", "30"), _worker(tmp_path, 1, lighthouse, "--steps", "30",
                                                                            "--die-at", "8")]
-    try:
-        for group in groups:
-            group.start()
-        assert groups[0].wait(timeout=120) == 0 and groups[1].wait(timeout=5) == -9
-    finally:
-        for group in groups:
-            group.kill()
+    assert _run(groups, 120, 5) == [0, -9]
     events = groups[0].events()
     failed = [e for e in events if e["event"] == "not_committed"]
     assert [e["step"] for e in failed] == [7] and "Connection" in failed[0]["reason"]  # 7 steps done: the 8th failed
@@ -151,13 +156,7 @@ def test_max_failures_halts_the_survivor(tmp_path, lighthouse):
     """With max_failures=0 the first lost group ends the run, with FaultToleranceError."""
     groups = [_worker(tmp_path, 0, lighthouse, "--steps", "30", "--max-failures", "0"),
               _worker(tmp_path, 1, lighthouse, "--steps", "30", "--die-at", "5")]
-    try:
-        for group in groups:
-            group.start()
-        assert groups[0].wait(timeout=120) == 1 and groups[1].wait(timeout=5) == -9
-    finally:
-        for group in groups:
-            group.kill()
+    assert _run(groups, 120, 5) == [1, -9]
     events = groups[0].events()
     assert [e["lost"] for e in events if e["event"] == "replica_lost"] == [1] and _committed(events) == [1, 2, 3, 4]
 
