@@ -22,7 +22,7 @@ from dream_trainer.configs import (
     TrainerConfig,
     TrainingParameters,
 )
-from dream_trainer.launch import LaunchResult, RunIdentity, entrypoint
+from dream_trainer.launch import LaunchExit, LaunchResult, RunIdentity, entrypoint
 from dream_trainer.trainer import (
     EXIT_FAILED,
     EXIT_PREEMPTED,
@@ -65,6 +65,7 @@ __all__ = [
     "FaultToleranceError",
     "FaultToleranceParameters",
     "FaultTolerantWorld",
+    "LaunchExit",
     "LaunchResult",
     "LoggerCallback",
     "LoggingParameters",

@@ -210,6 +210,24 @@ def _mismatch(key: str, value: Any, entry: Any) -> str | None:
     return None
 
 
+def _what_strict_false_loses(key: str, flat: dict[str, Any], saved: dict[str, Any]) -> str:
+    """The end of a strict mismatch error: what resuming with ``strict=False`` would lose."""
+    if not key.startswith("optimizers."):
+        return ("CheckpointParameters(strict=False) would skip the mismatched keys: they keep this run's freshly "
+                "initialized values")
+    name = key.split(".")[1]
+    prefix = f"optimizers.{name}.state."
+    missing = sum(1 for k, v in flat.items() if k.startswith(prefix) and isinstance(v, torch.Tensor) and k not in saved)
+    by_index = any(re.match(re.escape(prefix) + r"\d+\.", k) for k in saved)
+    cause = (f"The checkpoint keeps the state of optimizer {name!r} by parameter index, not by parameter name (written "
+             "while an FSDP2 model was unsharded after a validation, by an earlier dream_trainer), so it cannot be "
+             "matched to this run's parameters. " if by_index else "")
+    return (f"{cause}Resuming with CheckpointParameters(strict=False) would drop the state of optimizer {name!r} for "
+            f"{missing} tensor(s) (e.g. Adam's moments and step counts): training would go on from a fresh optimizer "
+            "state. Resume from another checkpoint instead, or start a new run from the weights "
+            "(dream_trainer.checkpoint.export_model)")
+
+
 def match_template(path: Path, template: dict[str, Any], strict: bool) -> dict[str, Any]:
     """Check `template` (the run's ``state_dict()``) against the checkpoint's metadata and
     drop what cannot be loaded: other ranks' entries, new callbacks, and, with
@@ -234,7 +252,7 @@ def match_template(path: Path, template: dict[str, Any], strict: bool) -> dict[s
         if strict:
             raise CheckpointError(
                 f"checkpoint {path} does not match this run: first mismatched key: {problems[0]}. "
-                "Resume with CheckpointParameters(strict=False) to skip mismatched keys"
+                + _what_strict_false_loses(key, flat, saved)
             )
         _drop(template, mapping[key])
     model_keys = ("models.", "optimizers.")

@@ -146,6 +146,16 @@ class DeviceParameters:
     Mesh sizes (`dp_replicate`, `dp_shard`, `context_parallel`, `tensor_parallel`) are
     ints or ``"auto"`` (at most one): ``"auto"`` takes what the world size leaves.
     Use the constructors `SINGLE_DEVICE`, `DDP`, `FSDP`, `HSDP` for the common layouts.
+
+    `weight_init`: how sharded models (FSDP2, HSDP, TP: DTensor parameters) are
+    initialized. ``"full"`` (default): every rank runs ``init_weights()`` on full-size
+    tensors and keeps its own part, so the weights are exactly those of a single process
+    with the same seed, whatever the layout; it costs one full copy of the model's
+    parameters per rank while `configure` runs. ``"sharded"``: each rank initializes only
+    its shards, with DTensor's random ops (no full copy; for models too large for one
+    device): CUDA only (DTensor's RNG tracker gives each shard its own part of the random
+    stream, but the values are not those of a single-process run); refused on CPU, where
+    every shard would draw the same numbers.
     """
 
     device: str = "auto"
@@ -160,6 +170,7 @@ class DeviceParameters:
     autocast_dtype: torch.dtype | None = None
     checkpoint_activations: bool = False
     cpu_offload: bool = False
+    weight_init: Literal["full", "sharded"] = "full"
     init_timeout_s: float = 600.0
     timeout_s: float = 300.0
 
@@ -171,6 +182,8 @@ class DeviceParameters:
             )
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"{owner}.backend={self.backend!r} is invalid: expected 'auto', 'gloo' or 'nccl'")
+        if self.weight_init not in ("full", "sharded"):
+            raise ValueError(f"{owner}.weight_init={self.weight_init!r} is invalid: expected 'full' or 'sharded'")
         autos = []
         for name in ("dp_replicate", "dp_shard", "context_parallel", "tensor_parallel"):
             value = getattr(self, name)

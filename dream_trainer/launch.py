@@ -11,6 +11,9 @@ before the ranks start, so every rank agrees on it::
 
     if __name__ == "__main__":
         entrypoint(main)          # python train.py --nproc 2   or   torchrun ... train.py
+
+The process exits with the run's status however the script is written: 75 when preempted,
+the failure's status when a rank failed (see `LaunchExit`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,40 @@ ENV_RUN_NAME = "DREAM_TRAINER_RUN_NAME"
 ENV_RUN_DIR = "DREAM_TRAINER_RUN_DIR"
 ENV_SEED = "DREAM_TRAINER_SEED"
 ENV_LAUNCHER_PID = "DREAM_TRAINER_LAUNCHER_PID"
+
+_fit_statuses: list[int] = []  # exit codes of the fit() calls of this process, in order
+
+
+def record_exit_code(code: int) -> None:
+    """Record the exit code a finished ``fit()`` asks for (`BaseTrainer.fit` calls it on
+    every path), so `entrypoint` exits with it even when the script drops it."""
+    _fit_statuses.append(int(code))
+
+
+def combined_exit_code(codes: list[int] | tuple[int, ...]) -> int:
+    """One status for several: the first failure (not 0, not `EXIT_PREEMPTED`), else
+    `EXIT_PREEMPTED` when any was preempted, else 0."""
+    failed = [code for code in codes if code not in (0, EXIT_PREEMPTED)]
+    if failed:
+        return failed[0]
+    return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else 0
+
+
+class LaunchExit(SystemExit):
+    """Raised by `entrypoint` when the run did not succeed: a rank failed or was preempted
+    (in the process that spawned the ranks), or the ``fit()`` run by ``main`` did (in a
+    rank, or a plain process). It is a ``SystemExit`` with the run's status as its code, so
+    the process exits with 75 (preempted) or the failure's status even if the script ignores
+    what `entrypoint` returns — torchrun, a job scheduler or the `--nproc` launcher never
+    read a failed run as a success. Catch it to look at `result` before exiting.
+
+    Attributes:
+        result: the `LaunchResult` (per-rank exit codes) in the launcher; else None.
+    """
+
+    def __init__(self, code: int, result: LaunchResult | None = None):
+        super().__init__(code)
+        self.result = result
 
 
 @dataclass(frozen=True)
@@ -115,15 +152,17 @@ def entrypoint(
       `_spawn`: signals are forwarded, a preempted rank never gets its peers killed).
     - Otherwise: call ``main()`` in this process and return its result.
 
-    When ``main`` returns the trainer, ``raise SystemExit(entrypoint(main).exit_code)``
-    exits every process with the run's status (75 when preempted) — the launcher too.
+    A run that did not succeed raises `LaunchExit` (a ``SystemExit`` with its status: 75
+    when preempted, the failure's status when failed) in every process, the launcher too,
+    however the script is written. ``raise SystemExit(entrypoint(main).exit_code)`` works as
+    well: on success `entrypoint` returns ``main()``'s value (or the `LaunchResult`).
 
     ``--nproc`` is removed from ``sys.argv`` before ``main`` parses it. A run name (a
     timestamp), and `experiment`/`seed` when given, are exported so every rank agrees.
     """
     if is_launched():
         _die_with_launcher()
-        return main()
+        return _run_main(main)
     args = list(sys.argv[1:] if argv is None else argv)
     cli_nproc, rest = _pop_nproc(args)
     env_nproc = os.environ.get(ENV_NPROC)
@@ -139,8 +178,27 @@ def entrypoint(
     if seed is not None:
         os.environ.setdefault(ENV_SEED, str(seed))
     if nproc is None or nproc == 1:
-        return main()
-    return _spawn(nproc, rest)
+        return _run_main(main)
+    result = _spawn(nproc, rest)
+    if result.exit_code != 0:
+        raise LaunchExit(result.exit_code, result)
+    return result
+
+
+def _run_main(main: Callable[[], T]) -> T:
+    """``main()``, then `LaunchExit` when a ``fit()`` it ran (or the trainer it returned)
+    did not succeed: a preempted run exits 75 and a failed one non-zero, even when the
+    script drops the status (a failure that ``main`` caught included)."""
+    first = len(_fit_statuses)
+    value = main()
+    codes = _fit_statuses[first:]
+    returned = getattr(value, "exit_code", None)
+    if isinstance(returned, int) and not isinstance(returned, bool):
+        codes = [*codes, returned]
+    code = combined_exit_code(codes)
+    if code != 0:
+        raise LaunchExit(code)
+    return value
 
 
 @dataclass(frozen=True)
@@ -157,11 +215,9 @@ class LaunchResult:
     def exit_code(self) -> int:
         """The status for the launcher to exit with: 0 when every rank succeeded, the
         first failed rank's status when one failed, else `EXIT_PREEMPTED` (75: a rank was
-        preempted and every rank checkpointed or succeeded). ``raise SystemExit(result.exit_code)``."""
-        failed = [code for code in self.exit_codes if code not in (0, EXIT_PREEMPTED)]
-        if failed:
-            return failed[0]
-        return EXIT_PREEMPTED if EXIT_PREEMPTED in self.exit_codes else 0
+        preempted and every rank checkpointed or succeeded). `entrypoint` raises
+        `LaunchExit` with it when it is not 0."""
+        return combined_exit_code(self.exit_codes)
 
 
 def _spawn(nproc: int, script_args: list[str], grace_s: float = 30.0) -> LaunchResult:

@@ -43,6 +43,7 @@ class AbstractTrainer(ABC):
         self.current_epoch = 0
         self.local_batches = 0
         self.logged_metrics: dict[str, float] = {}
+        self._param_owners: dict[int, str] = {}  # id(parameter) -> model name, see index_parameters
 
     # ------------------------------------------------------------------ discovery
     def _named(self, kind: type[T]) -> dict[str, T]:
@@ -71,14 +72,30 @@ class AbstractTrainer(ABC):
         return _lookup(self.named_schedulers(), name, "scheduler")
 
     def model_for(self, optimizer: Optimizer) -> nn.Module | None:
-        """The model whose parameters `optimizer` updates (None if no model owns them)."""
+        """The model whose parameters `optimizer` updates (None if no model owns them),
+        whatever the models' sharding state: an FSDP2 module left unsharded by a forward
+        pass without backward (validation) registers its unsharded parameters, not the
+        sharded ones the optimizer holds, so the owners recorded by `index_parameters`
+        are looked up first."""
         first = next((p for group in optimizer.param_groups for p in group["params"]), None)
         if first is None:
             return None
-        for model in self.named_models().values():
+        models = self.named_models()
+        owner = self._param_owners.get(id(first))
+        if owner in models:
+            return models[owner]
+        for model in models.values():
             if any(p is first for p in model.parameters()):
                 return model
         return None
+
+    def index_parameters(self) -> None:
+        """Record which model owns each parameter (`model_for`), with every FSDP2 module
+        resharded first, so the parameters recorded are the sharded ones optimizers hold.
+        `fit()` calls it after `configure()`; call it again if models change later."""
+        models = self.named_models()
+        reshard(models.values())
+        self._param_owners = {id(p): name for name, model in models.items() for p in model.parameters()}
 
     # ------------------------------------------------------------------ state
     @abstractmethod
@@ -90,6 +107,19 @@ class AbstractTrainer(ABC):
     @property
     def device(self) -> torch.device:
         return self.world.device
+
+
+def reshard(models: Iterable[nn.Module]) -> None:
+    """Reshard every FSDP2 module of `models` (no communication: the sharded parameters
+    are registered again, the unsharded ones freed). A forward pass without backward (under
+    ``no_grad``) leaves FSDP2's root unsharded; name-keyed state (DCP's helpers) needs the
+    sharded parameters. Call it on every rank at the same point, outside forward/backward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for model in models:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
 
 def _lookup(found: dict[str, T], name: str, what: str) -> T:

@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from dream_trainer.callbacks.base import StopTraining
 from dream_trainer.callbacks.collection import CallbackCollection
 from dream_trainer.configs import TrainerConfig
-from dream_trainer.launch import RunIdentity
+from dream_trainer.launch import RunIdentity, record_exit_code
 from dream_trainer.trainer.metrics import MetricsMixin
 from dream_trainer.trainer.preemption import EXIT_FAILED, EXIT_PREEMPTED, PreemptionMixin, TrainingInterrupted
 from dream_trainer.trainer.data import DataMixin, set_epoch
@@ -175,6 +175,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin, PreemptionMixi
                 seed_everything(self.seed)
             cb.pre_configure()
             self.configure()
+            self.index_parameters()
             cb.post_configure()
             self._control_point()
             cb.pre_setup()
@@ -227,6 +228,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin, PreemptionMixi
             # A failed rank aborts its process group, so its peers fail at once even if
             # this process lingers (a user `except` block that keeps running).
             self.world.teardown(abort=self.status == "failed")
+            record_exit_code(self.exit_code)  # entrypoint exits with it, whatever the script does
         if failure is not None:
             raise failure
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import warnings
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -33,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dream_trainer.trainer.base import BaseTrainer, _must_override
+from dream_trainer.trainer.weights import full_size_parameters, shared_parameters, tie
 from dream_trainer.utils import seed_everything
 
 logger = logging.getLogger(__name__)
@@ -170,6 +170,12 @@ class DreamTrainer(BaseTrainer):
             self._require("apply_compile", "DeviceParameters.compile_model=True")
         if plan.dp_shard > 1:
             self._require("apply_fully_shard", f"DeviceParameters.dp_shard={plan.dp_shard}")
+        if params.weight_init == "sharded" and world.device.type == "cpu" and (plan.dp_shard > 1 or plan.tp > 1):
+            raise ValueError(
+                "DeviceParameters.weight_init='sharded' needs DTensor's RNG tracker, which CPU meshes do not have: "
+                "every shard would draw the same numbers. Use weight_init='full' (the default) on "
+                f"{world.device}"
+            )
 
         with torch.device("meta"):
             self.configure_models()
@@ -192,9 +198,7 @@ class DreamTrainer(BaseTrainer):
         elif plan.dp_replicate > 1:
             self.apply_replicate(world.get_mesh("dp_replicate"))
 
-        self.materialize()
-        with torch.no_grad():
-            self.callbacks.post_init_weights(self.named_models())
+        self.materialize()  # init_weights(), then callbacks.post_init_weights(models)
 
         self.configure_optimizers()
         if not self.named_optimizers():
@@ -236,16 +240,28 @@ class DreamTrainer(BaseTrainer):
 
     def materialize(self) -> None:
         """Allocate the meta-device models on the world's device, seed, `init_weights()`,
-        and check that nothing is left on the meta device."""
-        for model in self.named_models().values():
+        ``callbacks.post_init_weights(models)``, and check that nothing is left on the meta
+        device.
+
+        Sharded models (DTensor parameters) are initialized on full-size tensors, each rank
+        keeping its part (``DeviceParameters.weight_init="full"``, see
+        `dream_trainer.trainer.weights`): every layout starts from the weights one process
+        would have with the same seed."""
+        models = self.named_models()
+        tied = shared_parameters(models.values())
+        for model in models.values():
             model.to_empty(device=self.world.device)
+        tie(tied)  # to_empty unties shared parameters (an embedding tied to the output head)
         if self.seed is not None:
             seed_everything(self.seed)
-        with torch.no_grad(), warnings.catch_warnings():
-            # On a CPU mesh DTensor warns that its random ops may be incomplete; init with
-            # the same seed on every rank is what DDP/FSDP need here, so the warning is noise.
-            warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-            self.init_weights()
+        with torch.no_grad():
+            if self.world.device_parameters.weight_init == "full":
+                with full_size_parameters(models.values(), self.world.device):
+                    self.init_weights()
+                    self.callbacks.post_init_weights(models)
+            else:  # "sharded": DTensor's random ops on each shard (CUDA; checked in configure)
+                self.init_weights()
+                self.callbacks.post_init_weights(models)
         left = [
             f"{model_name}.{name}"
             for model_name, model in self.named_models().items()

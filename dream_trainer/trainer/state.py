@@ -21,7 +21,7 @@ import pickle
 from typing import Any
 
 from dream_trainer.callbacks.collection import warn_absent_callbacks
-from dream_trainer.trainer.abstract import AbstractTrainer
+from dream_trainer.trainer.abstract import AbstractTrainer, reshard
 from dream_trainer.utils import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class StateMixin(AbstractTrainer):
         optimizer step that allocates a fresh state first."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+        reshard(self.named_models().values())  # optimizer state by parameter name needs the sharded parameters
         optimizers = {}
         for name, opt in self.named_optimizers().items():
             model = self.model_for(opt)
@@ -68,8 +69,8 @@ class StateMixin(AbstractTrainer):
                 "skipped_steps": self.skipped_steps,  # type: ignore[attr-defined]  (StepMixin)
                 "skipped_batches": self.skipped_batches,  # type: ignore[attr-defined]
             },
-            "models": {name: get_model_state_dict(m) for name, m in self.named_models().items()},
-            "optimizers": optimizers,
+            "models": _plain({name: get_model_state_dict(m) for name, m in self.named_models().items()}),
+            "optimizers": _plain(optimizers),
             "schedulers": {name: s.state_dict() for name, s in self.named_schedulers().items()},
             "callbacks": callbacks,
             # Opaque (pickled) per-rank entries: their structure may differ between the
@@ -99,6 +100,7 @@ class StateMixin(AbstractTrainer):
         )
 
         options = StateDictOptions(strict=strict)
+        reshard(self.named_models().values())
         for name, model in self.named_models().items():
             set_model_state_dict(model, state["models"][name], options=options)
         for name, opt in self.named_optimizers().items():
@@ -159,6 +161,37 @@ class StateMixin(AbstractTrainer):
             self._resume_rng = mine["rng"]
         else:
             set_rng_state(mine["rng"])
+
+
+def _plain(state: Any) -> Any:
+    """`state` with every tensor subclass that wraps one plain tensor of its own shape and
+    dtype (torchao's float8 weights under FSDP2, as a DTensor's local tensor or alone)
+    replaced by that tensor, which shares its storage. Checkpoints then hold plain tensors:
+    DCP's async staging does not copy such wrappers (it staged uninitialized memory) and
+    loads write through to the wrapped storage."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_map_only
+
+    def inner(t: torch.Tensor) -> torch.Tensor:
+        if type(t) in (torch.Tensor, torch.nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+            return t
+        names, _ = t.__tensor_flatten__()
+        wrapped = getattr(t, names[0], None) if names else None
+        if type(wrapped) is torch.Tensor and wrapped.shape == t.shape and wrapped.dtype == t.dtype:
+            return wrapped
+        return t
+
+    def plain(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DTensor):
+            local = inner(t._local_tensor)
+            if local is t._local_tensor:
+                return t
+            return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                      stride=t.stride())
+        return inner(t)
+
+    return tree_map_only(torch.Tensor, plain, state)
 
 
 def _holds_dtensor(state: Any) -> bool:

@@ -48,6 +48,8 @@ from dream_trainer import (  # noqa: E402
 class GPTTrainer(DreamTrainer):
     """Character-level GPT: model on meta, AdamW, warmup + cosine, sharded data."""
 
+    experiment = "gpt"  # runs go to <root>/gpt/<run name>
+
     def __init__(self, config: TrainerConfig, args: argparse.Namespace):
         super().__init__(config)
         self.args = args
@@ -171,7 +173,8 @@ PARALLEL = {
     "ddp": DeviceParameters.DDP,  # one rank: plain; N ranks: gradients averaged
     "fsdp": DeviceParameters.FSDP,  # parameters, gradients and optimizer state sharded
     "hsdp": lambda **kw: DeviceParameters.HSDP(dp_shard=2, **kw),  # shard in pairs, replicate pairs
-    "tp": lambda **kw: DeviceParameters(dp_replicate="auto", tensor_parallel=2, **kw),
+    "tp": lambda **kw: DeviceParameters(dp_replicate="auto", tensor_parallel=2, **kw),  # x DDP on 4+ ranks
+    "fsdp_tp": lambda **kw: DeviceParameters(dp_replicate=1, dp_shard="auto", tensor_parallel=2, **kw),  # 4+ ranks
 }
 
 
@@ -195,7 +198,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-name", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--parallel", choices=sorted(PARALLEL), default="ddp",
-                   help="how ranks share the work (single: one process; hsdp needs 4 ranks, tp 2)")
+                   help="how ranks share the work (single: one process; tp needs 2 ranks, hsdp and fsdp_tp 4)")
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     p.add_argument("--progress", action="store_true", help="draw the progress bar even when not a terminal")
     p.add_argument("--checkpoint-every", type=int, default=50, help="save a checkpoint every N steps (0: only at the end)")
@@ -218,12 +221,14 @@ def _fault_tolerance(args: argparse.Namespace) -> list[Callback[Any]]:
                                                             heartbeat_interval=0.1, timeout_s=30.0))]
 
 
-def main(argv: list[str] | None = None, callbacks: list[Callback[Any]] | None = None) -> GPTTrainer:
-    """Train the demo; `callbacks` are added to its own (see examples/callbacks)."""
+def main(argv: list[str] | None = None, callbacks: list[Callback[Any]] | None = None,
+         trainer_cls: type[GPTTrainer] = GPTTrainer) -> GPTTrainer:
+    """Train the demo; `callbacks` are added to its own (see examples/callbacks).
+    `trainer_cls`: another model on the same data and loop (examples/llama)."""
     args = parse_args(argv)
     history = ValidationHistory()
     config = TrainerConfig(
-        experiment="gpt",
+        experiment=trainer_cls.experiment,
         run_name=args.run_name,
         root_dir=args.root_dir,
         seed=args.seed,
@@ -252,7 +257,7 @@ def main(argv: list[str] | None = None, callbacks: list[Callback[Any]] | None = 
             *(callbacks or []),
         ],
     )
-    trainer = GPTTrainer(config, args)
+    trainer = trainer_cls(config, args)
     trainer.fit()
     if trainer.world.is_rank_zero:
         steps = ", ".join(f"{step}: {loss:.3f}" for step, loss in history.history)

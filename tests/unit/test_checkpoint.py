@@ -180,6 +180,26 @@ def test_bad_checkpoints_fail_with_the_path_and_key(caplog):
         run(resume_mode=str(path))
 
 
+def test_optimizer_state_keyed_by_index_names_what_strict_false_loses(monkeypatch):
+    """A checkpoint whose optimizer state is keyed by parameter index (what an FSDP2 run left
+    unsharded by a validation used to save) is refused, and the error says that
+    ``strict=False`` would drop the optimizer state, instead of advising it."""
+    def with_momentum(self):
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=self.lr, momentum=0.9)  # state per parameter
+
+    monkeypatch.setattr(ToyTrainer, "configure_optimizers", with_momentum)
+    with monkeypatch.context() as patch:
+        patch.setattr(ToyTrainer, "model_for", lambda self, optimizer: None)  # no model found: saved by index
+        _, saver = run(max_steps=2)
+    with pytest.raises(CheckpointError) as error:
+        run(resume_mode=str(saver.saved[-1]))
+    message = str(error.value)
+    assert "'optimizers.optimizer.state.0.weight.momentum_buffer' is not in the checkpoint" in message
+    assert "by parameter index, not by parameter name" in message
+    assert "would drop the state of optimizer 'optimizer' for 4 tensor(s)" in message
+    assert "to skip mismatched keys" not in message
+
+
 def test_background_save_error_surfaces_on_the_next_step(monkeypatch):
     from torch.distributed.checkpoint import FileSystemWriter
 
