@@ -130,11 +130,16 @@ class StepMixin(AbstractTrainer):
             self._skip_reason = str(reason)
 
     def skip_step_if(self, flag: torch.Tensor, reason: str = "skipped") -> None:
-        """`skip_step` decided on the device: skip when `flag` (a bool/number tensor) is
-        true. Several calls are OR-ed; the flag is read to the host once, at the step."""
+        """`skip_step` decided on the device: skip when `flag` (a one-element bool/number
+        tensor) is true — nonzero, NaN included, as ``bool(flag)``. Several calls are OR-ed;
+        the flag is read to the host once, at the step."""
         self._check_armed("skip_step_if")
-        flag = flag.detach().reshape(()).bool()
-        self._skip_flag = (flag, reason) if self._skip_flag is None else (self._skip_flag[0] | flag, self._skip_flag[1])
+        if flag.ndim or flag.requires_grad:  # else: kept as it is (no device op)
+            flag = flag.detach().reshape(())
+        if self._skip_flag is None:
+            self._skip_flag = (flag, reason)
+        else:
+            self._skip_flag = (self._skip_flag[0].bool() | flag.bool(), self._skip_flag[1])
 
     def request_skip_batch(self, reason: str = "batch skipped") -> None:
         """Skip the current batch on every rank (what `SkipBatch` raised from

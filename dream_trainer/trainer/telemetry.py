@@ -77,7 +77,7 @@ class StepStats:
     def backward_loss(self) -> torch.Tensor | None:
         if self.backward_sum is None:
             return None
-        return self.backward_sum / self.backward_count
+        return self.backward_sum if self.backward_count == 1 else self.backward_sum / self.backward_count
 
     @property
     def loss(self) -> torch.Tensor | None:
@@ -85,7 +85,7 @@ class StepStats:
         device tensor."""
         if self.loss_sum is None or not self.micro_batches:
             return None
-        return self.loss_sum / self.micro_batches
+        return self.loss_sum if self.micro_batches == 1 else self.loss_sum / self.micro_batches  # no op for one
 
     def begin(self) -> None:
         """Reset the per-step fields (the running totals stay)."""

@@ -329,12 +329,15 @@ class DistributedWorld:
             g = p.grad
             if g is None:
                 continue
-            key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else (g.device, g.dtype)
+            plain = type(g) is torch.Tensor  # the common case, without the slower isinstance
+            key = (g.device_mesh, g.placements) if not plain and isinstance(g, DTensor) else (g.device, g.dtype)
             groups.setdefault(key, []).append(g)
         return list(groups.values())
 
-    @torch.no_grad()
     def _norm_of_groups(self, groups: list[list[torch.Tensor]], norm_type: float) -> torch.Tensor:
+        # No no_grad() context (its cost shows on small models, where this runs every step):
+        # gradients do not require grad, so nothing is recorded; those of a create_graph
+        # backward do, and the result is detached.
         from torch.distributed.tensor import DTensor
 
         if not groups:
@@ -345,9 +348,9 @@ class DistributedWorld:
             if isinstance(norm, DTensor):
                 norm = norm.full_tensor()  # reduce a sharded (or partial) norm over its mesh
             norms.append(norm.float())
-        if len(norms) == 1:
-            return norms[0]
-        return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+        total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(
+            torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+        return total.detach() if total.requires_grad else total
 
     def total_gradient_norm(self, parameters: Iterable[torch.nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
         """The global gradient norm as one device tensor (no host sync).
@@ -364,10 +367,15 @@ class DistributedWorld:
     ) -> torch.Tensor:
         """Clip gradients in place to a global norm of `max_norm`; return the norm before
         clipping (a device tensor: nothing is read to the host). Works on a mix of plain and
-        DTensor gradients (e.g. tensor-parallel blocks with replicated embeddings)."""
+        DTensor gradients (e.g. tensor-parallel blocks with replicated embeddings).
+
+        A non-finite norm zeroes the finite gradients and leaves the non-finite ones
+        non-finite (coefficient 0, the limit of max_norm / norm: ``torch.nn.utils`` would
+        multiply every gradient by NaN for a NaN norm), so a NaN check after clipping names
+        exactly the parameters whose gradients were non-finite before it."""
         groups = self._gradient_groups(parameters)
         total = self._norm_of_groups(groups, norm_type)
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0).nan_to_num_(0.0)  # a device op: no sync
         for grads in groups:
             torch._foreach_mul_(grads, coefficient.to(grads[0].device))
         return total

@@ -4,14 +4,16 @@ update and stay identical (2 gloo ranks, DDP).
 Two cases: a NaN input (DDP's all-reduce spreads the NaN gradients, so both ranks see them)
 and a NaN only in rank 1's loss value with finite gradients, so only rank 1 detects it
 and the other rank skips because the ranks agree (without the agreement, rank 0 would
-apply the update and the replicas would drift apart)."""
+apply the update and the replicas would drift apart). On every step each rank reads one value of
+the device, the skip flag, besides the CPU tensors of the trainer's collectives (the skip
+agreement, the control flags: host waits for the collectives, not device syncs)."""
 
 import pytest
 import torch
 
 from dream_trainer import Callback, DeviceParameters, TrainerConfig, TrainingParameters
 from dream_trainer.callbacks import AnomalyDetectorCallback
-from dream_trainer.testing import ToyTrainer, spawn_world
+from dream_trainer.testing import HostReadCounter, StepReads, ToyTrainer, spawn_world
 
 
 class NaNOnRankOne(ToyTrainer):
@@ -55,14 +57,22 @@ class Params(Callback):
 
 def _run(root, where):
     detector, params = AnomalyDetectorCallback("skip"), Params()
+    # Not counted: the CPU tensors of the trainer's collectives, the DataLoader's seed (a CPU
+    # generator, read when an epoch's iterator is made) and this test's own checks.
+    control_plane = ("_agree", "_agreed_flags", "all_gather_object", "_epoch_batches", "pre_optimizer_step")
+    counter = HostReadCounter(ignore=lambda read: read.caller in control_plane)
+    reads = StepReads(counter)
     config = TrainerConfig(root_dir=str(root), run_name="r", device_parameters=DeviceParameters.DDP(),
-                           training_parameters=TrainingParameters(n_epochs=2, num_sanity_val_steps=0),
-                           callbacks=[detector, params])
+                           training_parameters=TrainingParameters(n_epochs=2, num_sanity_val_steps=0,
+                                                                  validate_at_epoch_end=False),
+                           callbacks=[detector, params, reads])
     trainer = NaNOnRankOne(config, where, batch_size=8)
-    trainer.fit()
+    with counter:
+        trainer.fit()
     return {"skipped": (detector.skipped_steps, trainer.skipped_steps), "events": detector.events,
             "unchanged": all(torch.equal(a, b) for a, b in zip(params.before, params.after)),
-            "final": params.final, "step": trainer.global_step, "nonfinite_grad": params.saw_nonfinite_grad}
+            "final": params.final, "step": trainer.global_step, "nonfinite_grad": params.saw_nonfinite_grad,
+            "reads": {step: reads.kinds(step) for step in range(1, trainer.global_step + 1)}}
 
 
 @pytest.mark.parametrize("where", ["input", "loss"])
@@ -75,3 +85,5 @@ def test_a_nan_on_one_rank_is_skipped_on_both(tmp_path, where):
     assert zero["skipped"] == one["skipped"] == (1, 1) and zero["events"] == one["events"] == [(5, 4)]
     assert zero["unchanged"] and one["unchanged"] and zero["step"] == one["step"] == 23
     assert all(torch.equal(a, b) and torch.isfinite(a).all() for a, b in zip(zero["final"], one["final"]))
+    flag = [("bool", "_agreed_skip")]  # one read per optimizer step; step 5 ran twice (skipped, then taken)
+    assert zero["reads"] == one["reads"] == {s: flag * (2 if s == 5 else 1) for s in range(1, 24)}, zero["reads"]

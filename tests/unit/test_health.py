@@ -4,10 +4,11 @@ dashboard, health_callbacks and the console sink."""
 
 import io
 import logging
+from collections import Counter
 
+import numpy as np
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from dream_trainer import Callback, DeviceParameters, LoggerCallback, LoggingParameters, TrainerConfig, TrainingParameters
 from dream_trainer.callbacks import (
@@ -20,7 +21,7 @@ from dream_trainer.callbacks import (
     health_callbacks,
 )
 from dream_trainer.callbacks.monitors import AnomalyError
-from dream_trainer.testing import ToyTrainer
+from dream_trainer.testing import HostReadCounter, StepReads, ToyTrainer
 
 
 def config(callbacks=(), log_every=1000, **training):
@@ -120,6 +121,39 @@ def test_nan_halt_names_the_parameters_and_too_many_skips_halt():
     assert trainer.status == "failed" and trainer.global_step == 2
 
 
+class NaNGrad(ToyTrainer):
+    """A finite loss, and a NaN put into one element of one parameter's gradient (``2.bias``)
+    at batch 5 of epoch 0 (global step 6), after backward and before ``self.step``."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.model(x), y)
+        self.backward(loss)
+        if self.current_epoch == 0 and batch_idx == 5:
+            self.model[2].bias.grad[0] = float("nan")
+        self.step(self.optimizer)
+        return {"loss": loss}
+
+
+def test_halt_with_clipping_names_the_parameter_whose_gradient_was_not_finite():
+    # Clipping multiplies every gradient by max_norm / norm: a NaN norm must not make every
+    # gradient NaN, or the report would name all four parameters.
+    trainer = NaNGrad(config([AnomalyDetectorCallback("halt")], gradient_clip_val=1.0))
+    with pytest.raises(AnomalyError, match=r"step 6 \(policy 'halt'\): loss \d[^;]*; gradients of 1 parameter\(s\): 2\.bias\. Try"):
+        trainer.fit()
+
+
+def test_clipping_a_nan_gradient_leaves_the_other_gradients_finite():
+    # Policy "warn" applies the update: only the parameter with the NaN gradient becomes NaN;
+    # clipping zeroes the finite gradients (the limit of max_norm / norm), as an Inf norm does.
+    snap = Snapshot(5)
+    trainer = NaNGrad(config([AnomalyDetectorCallback("warn"), snap], n_epochs=1, gradient_clip_val=1.0))
+    trainer.fit()
+    after = dict(zip([n for n, _ in trainer.model.named_parameters()], snap.after))
+    assert [n for n, p in after.items() if not torch.isfinite(p).all()] == ["2.bias"]
+    assert all(torch.equal(a, b) for (n, a), b in zip(after.items(), snap.before) if n != "2.bias")
+
+
 def test_warn_policy_counts_on_log_steps_only(caplog):
     detector = AnomalyDetectorCallback("warn", log_interval=4)
     trainer = Inject(config([detector]), at=5, factor=float("nan"))
@@ -143,67 +177,88 @@ def test_a_failing_monitor_is_disabled_and_training_goes_on(caplog):
     assert "BrokenMemory" not in trainer.callbacks and "disabling callback 'BrokenMemory'" in caplog.text
 
 
-class CountReads(TorchFunctionMode):
-    """Counts host reads of tensors: .item(), .tolist(), .cpu(), bool(), float(), int()."""
-
-    NAMES = {"item", "tolist", "cpu", "__bool__", "__float__", "__int__", "numpy"}
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in self.NAMES:
-            self.calls.append(name)
-        return func(*args, **(kwargs or {}))
-
-
-class Watch(Callback):
-    """Enters the counting mode at the start of every step that is not a log step (first of
-    all callbacks) and leaves it at its end (last of all)."""
-
-    order = -10**9
-
-    def __init__(self):
-        self.mode, self.reads = None, {}
-
-    def pre_train_step(self, batch, batch_idx):
-        if (self.trainer.global_step + 1) % 10:  # not a log step of any monitor below (intervals of 10)
-            self.mode = CountReads()
-            self.mode.__enter__()
+# -------------------------------------------------------------------- the sync budget
+def _reads(callbacks, n_samples=256, batch_size=16, **training):
+    """Host reads per optimizer step of a run, the trainer's own removed: ``{step: Counter of
+    (kind, caller)}`` for the steps where the callbacks added reads (none removed any)."""
+    runs = []
+    for cbs in ([], callbacks):
+        counter = HostReadCounter()
+        steps = StepReads(counter)
+        trainer = ToyTrainer(config([steps, *cbs], n_epochs=1, **training), n_samples=n_samples, batch_size=batch_size,
+                             with_validation=False)
+        with counter:
+            trainer.fit()
+        runs.append({step: Counter(steps.kinds(step)) for step in steps.steps})
+    base, added = runs
+    assert all(not base[s] - added[s] for s in base), "the callbacks removed a read of the trainer's"
+    return {s: added[s] - base[s] for s in added if added[s] - base[s]}, trainer.global_step
 
 
-class Unwatch(Callback):
-    order = 10**9
+def test_the_counter_catches_every_kind_of_host_read():
+    t, v = torch.tensor(1.5), torch.tensor([1.0, 0.0, 2.0])
+    reads = {
+        "item": lambda: t.item(), "tolist": lambda: v.tolist(), "cpu": lambda: t.cpu(),
+        "to_cpu": lambda: (t.to("cpu"), t.to(torch.device("cpu"), torch.float64), t.to(device="cpu")),
+        "bool": lambda: bool(t), "float": lambda: (float(t), "%.3f" % t), "int": lambda: (int(t), [0, 1][torch.tensor(1)]),
+        "format": lambda: (f"{t}", f"{t:.2f}", "{}".format(t), "%s" % t, str(t)), "nonzero": lambda: (v.nonzero(), torch.where(v > 0)),
+        "mask_index": lambda: v[v > 0], "masked_select": lambda: torch.masked_select(v, v > 0), "equal": lambda: torch.equal(v, v),
+        "numpy": lambda: (v.numpy(), np.asarray(v)), "contains": lambda: 1.0 in v, "tensor": lambda: torch.tensor([t, t]),
+    }
+    for kind, read in reads.items():
+        with HostReadCounter() as counter:
+            out = read()
+        n = len(out) if isinstance(out, tuple) else 1  # a tuple: that many reads
+        assert counter.counts() == {kind: n}, (kind, str(counter))
+        assert all(r.caller == "<lambda>" and __file__ in r.where for r in counter.reads)
+    with HostReadCounter() as counter:  # device work only: no read
+        (t + 1, t.to(torch.float64), v[0], v[torch.tensor([0, 2])], torch.where(v > 0, v, 0.0), v.sum(), torch.zeros(3).copy_(v))
+    assert not counter.reads, str(counter)
+    with HostReadCounter(device="cuda") as counter:  # a CUDA run counts reads of CUDA tensors only
+        t.item()
+    assert not counter.reads
 
-    def __init__(self, watch):
-        self.watch = watch
 
-    def post_train_step(self, result, batch_idx):
-        if self.watch.mode is not None:
-            self.watch.mode.__exit__(None, None, None)
-            self.watch.reads[self.trainer.global_step] = list(self.watch.mode.calls)
-            self.watch.mode = None
-
-
-def _reads(callbacks):
-    watch = Watch()
-    trainer = ToyTrainer(config([watch, *callbacks, Unwatch(watch)], log_every=10, gradient_clip_val=1.0))
-    trainer.fit()
-    return watch.reads
+def test_default_health_callbacks_read_what_the_docs_say():
+    # The defaults (log_interval 100, anomaly "skip"), clipping on, the dashboard drawing:
+    # every optimizer step reads one value (the trainer's agreement on the skip flag); step
+    # 100, the monitors' log step, also reads each window once (gradient: norms and clip
+    # count together; loss). Memory, throughput and the dashboard read no tensor.
+    added, steps = _reads(health_callbacks(dashboard={"enabled": True, "console": _console()}),
+                          n_samples=288, batch_size=2, gradient_clip_val=1.0)
+    assert steps == 108
+    skip_read = Counter({("bool", "_agreed_skip"): 1})
+    assert all(added[step] == skip_read for step in range(1, steps + 1) if step != 100), added
+    assert added[100] == skip_read + Counter({("tolist", "read"): 2}), added[100]
 
 
-def test_no_host_reads_on_non_log_steps():
-    baseline = _reads([])
+@pytest.mark.parametrize("policy, per_step, on_log_step", [
+    ("warn", {}, {("float", "post_train_step"): 1}),
+    ("halt", {("bool", "pre_optimizer_step"): 1}, {}),
+    ("skip", {("bool", "_agreed_skip"): 1}, {}),
+])
+def test_sync_budget_per_policy(policy, per_step, on_log_step):
+    monitors = [AnomalyDetectorCallback(policy, log_interval=4)]
+    if policy == "skip":  # a second decision on the same step shares the one read
+        monitors.append(LossMonitorCallback(log_interval=4, min_history=2, on_spike="skip"))
+    added, steps = _reads(monitors, gradient_clip_val=1.0)
+    for step in range(1, steps + 1):
+        expected = Counter(per_step) + (Counter(on_log_step) if step % 4 == 0 else Counter())
+        if policy == "skip" and step % 4 == 0:
+            expected[("tolist", "read")] += 1  # the loss window, on the loss monitor's log steps
+        assert added.get(step, Counter()) == expected, (step, added.get(step))
+
+
+def test_no_reads_on_other_steps_and_one_per_log_step():
+    # Every monitor on, short intervals, memory sampled every step, top-k layer norms: no read
+    # on a step that is not a log step; on one, one read per monitor that reads the device.
     monitors = health_callbacks(
-        gradient={"log_interval": 10}, memory={"log_interval": 10, "sample_every": 1}, throughput={"log_interval": 10},
-        loss={"log_interval": 10}, anomaly={"policy": "warn", "log_interval": 10}, dashboard={"enabled": True, "console": _console()})
-    with_monitors = _reads(monitors)
-    assert len(baseline) == 22 and baseline == with_monitors and not any(baseline.values())
-    # A per-step decision costs exactly its one read per step (the trainer's agreement on it).
-    skip = _reads([AnomalyDetectorCallback("skip", log_interval=10)])
-    assert all(calls == ["__bool__"] for calls in skip.values())
+        gradient={"log_interval": 5, "top_k_layers": 2}, memory={"log_interval": 5, "sample_every": 1},
+        throughput={"log_interval": 5}, loss={"log_interval": 5}, anomaly={"policy": "warn", "log_interval": 5},
+        dashboard={"enabled": True, "console": _console()})
+    added, steps = _reads(monitors, gradient_clip_val=1.0)
+    assert steps == 12 and sorted(added) == [5, 10]
+    assert all(added[s] == Counter({("tolist", "read"): 2, ("float", "post_train_step"): 1}) for s in (5, 10)), added
 
 
 # -------------------------------------------------------------------- dashboard, composition, console

@@ -40,59 +40,108 @@ class Monitor(Callback[BaseTrainer]):
 
 
 class DeviceWindow:
-    """The last `size` values of a per-step scalar, on the device (no sync to add one),
-    with the global step each belongs to (host-side)."""
+    """The last `size` values of a per-step scalar on the device, and `counters` running
+    totals, read together in one transfer on log steps; the global step each value belongs
+    to is kept on the host.
 
-    def __init__(self, size: int):
-        self.size = size
-        self.values: torch.Tensor | None = None
+    A push adds no sync. By default it is one device copy into a preallocated slot;
+    ``keep=True`` keeps the pushed tensor itself (no device op at all), for values that are
+    fresh tensors nobody writes to afterwards (the trainer's gradient norm) — not for a
+    tensor the user's code returned, which it may reuse.
+    """
+
+    def __init__(self, size: int, counters: int = 0, keep: bool = False):
+        self.size, self.counters, self.keep = size, counters, keep
+        self.buffer: torch.Tensor | None = None  # [slots (copy mode)..., counters...]
+        self._slots: tuple[torch.Tensor, ...] = ()  # views of its elements
+        self._kept: deque[torch.Tensor] = deque(maxlen=size)  # keep mode, oldest first
+        self._window = 0 if keep else size  # slots for values in the buffer
         self.steps: deque[int] = deque(maxlen=size)
         self.count = 0  # values ever pushed
 
+    def _allocate(self, device: torch.device) -> torch.Tensor:
+        if self.buffer is None:
+            self.buffer = torch.zeros(self._window + self.counters, device=device)
+            self._slots = self.buffer.unbind()
+        return self.buffer
+
     def push(self, value: torch.Tensor, step: int) -> None:
-        if value.ndim or value.dtype != torch.float32 or value.requires_grad:
-            value = value.detach().reshape(()).float()
-        if self.values is None:
-            self.values = torch.zeros(self.size, device=value.device)
-        self.values[self.count % self.size] = value  # a device copy: no sync
+        if value.ndim or value.requires_grad:
+            value = value.detach().reshape(())
+        if self.keep:
+            self._kept.append(value)  # no device op
+        else:
+            self._allocate(value.device)
+            self._slots[self.count % self.size].copy_(value)  # one device copy: no sync
         self.count += 1
         self.steps.append(step)
 
+    def add(self, counter: int, value: torch.Tensor) -> None:
+        """Add `value` (a device scalar) to running total `counter`, in place: no sync."""
+        self._allocate(value.device)
+        self._slots[self._window + counter].add_(value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """The window's values on the device (in slot order, not by age, when copied)."""
+        if self.keep:
+            return torch.stack(tuple(self._kept)).float() if self._kept else None
+        return None if self.buffer is None else self.buffer[: min(self.count, self.size)]
+
     def device_stats(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Mean and std of the window on the device (None while empty): for decisions that
-        must be made on every step without reading anything."""
-        n = min(self.count, self.size)
-        if n < 2 or self.values is None:
+        """Mean and std of the window on the device (None while it holds fewer than 2
+        values): for decisions that must be made on every step without reading anything."""
+        window = self.values
+        if window is None or len(window) < 2:
             return None
-        window = self.values[:n]
         return window.mean(), window.std()
 
-    def read(self) -> list[tuple[int, float]]:
-        """``[(step, value)]``, oldest first — one host transfer (call it on log steps)."""
-        n = min(self.count, self.size)
-        if not n or self.values is None:
-            return []
-        values = self.values[:n].tolist()  # the deliberate read of a log step
-        start = self.count % self.size if self.count > self.size else 0
-        ordered = values[start:] + values[:start]
-        return list(zip(self.steps, ordered))
+    def read(self, extra: list[torch.Tensor] | None = None) -> tuple[list[tuple[int, float]], list[float], list[float]]:
+        """``([(step, value)] oldest first, [counter totals], [the `extra` scalars])`` — one
+        host transfer for all of them (call it on log steps)."""
+        parts = [torch.stack(tuple(self._kept)).float()] if self._kept else []
+        if extra:
+            parts.append(torch.stack(extra).float())
+        if self.buffer is not None or self.counters:
+            device = parts[0].device if parts else torch.device("cpu")
+            parts.insert(len(self._kept) and 1, self._allocate(device))  # after the kept values
+        if not parts:
+            values: list[float] = []
+        else:
+            values = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()  # the read of a log step
+        head = len(self._kept) if self.keep else self._window if self.buffer is not None else 0
+        window, rest = values[:head], values[head:]
+        if not self.keep:  # slot order -> oldest first
+            n, start = min(self.count, self.size), (self.count % self.size if self.count > self.size else 0)
+            window = window[start:n] + window[:start]
+        return list(zip(self.steps, window)), rest[: self.counters], rest[self.counters :]
+
+    def counter_state(self) -> list[float]:
+        """The counters as floats, for a checkpoint (a read: checkpoints only)."""
+        return [0.0] * self.counters if self.buffer is None else self.buffer[self._window :].tolist()
+
+    def load_counters(self, totals: list[float], device: torch.device) -> None:
+        self._allocate(device)
+        for slot, total in zip(self._slots[self._window :], totals):
+            slot.fill_(total)
 
 
 def outliers(history: list[tuple[int, float]], new_since: int, threshold: float, min_history: int) -> list[tuple[int, float, float]]:
     """The values logged after step `new_since` that exceed mean + threshold * std of the
-    values before them (at least `min_history` of them): ``[(step, value, limit)]``."""
+    finite values before them (at least `min_history` of them): ``[(step, value, limit)]``.
+    One pass (Welford's running mean and variance)."""
     found = []
-    for i, (step, value) in enumerate(history):
-        if step <= new_since:
-            continue
-        before = [v for _, v in history[:i] if math.isfinite(v)]
-        if len(before) < min_history:
-            continue
-        mean = sum(before) / len(before)
-        std = math.sqrt(sum((v - mean) ** 2 for v in before) / (len(before) - 1))
-        limit = mean + threshold * std
-        if not math.isfinite(value) or value > limit:
-            found.append((step, value, limit))
+    n, mean, m2 = 0, 0.0, 0.0
+    for step, value in history:
+        if step > new_since and n >= min_history:
+            limit = mean + threshold * math.sqrt(m2 / (n - 1))
+            if not math.isfinite(value) or value > limit:
+                found.append((step, value, limit))
+        if math.isfinite(value):
+            n += 1
+            delta = value - mean
+            mean += delta / n
+            m2 += delta * (value - mean)
     return found
 
 

@@ -32,7 +32,9 @@ class AnomalyDetectorCallback(Monitor):
       gradients are dropped. The skip is counted (``train/skipped_steps``) and logged with the
       batch index; after `max_consecutive` skips in a row the run halts with `AnomalyError`.
     - ``"halt"``: the flag is read (once per step) and a non-finite step raises `AnomalyError`
-      naming the parameters whose gradients are non-finite, with suggestions.
+      naming the parameters whose gradients are non-finite, with suggestions (with
+      ``gradient_clip_val`` too: clipping by a non-finite norm leaves the finite gradients
+      finite, see `DistributedWorld.clip_grad_norm_`).
     - ``"warn"``: nothing is read on ordinary steps; on its log steps it logs
       ``train/nonfinite_steps`` and warns when it grew.
 
@@ -54,34 +56,43 @@ class AnomalyDetectorCallback(Monitor):
         self._nonfinite: torch.Tensor | None = None  # "warn": a device count
         self._reported = 0.0
         self._names: dict[int, str] = {}
+        self._zero: torch.Tensor | None = None
 
     def post_setup(self) -> None:
         self.trainer.request_grad_norm()
         self.trainer.request_backward_loss()
 
     def _flag(self, optimizer: Any) -> torch.Tensor | None:
+        """A device scalar that is true (NaN) when this step's loss or gradient norm is NaN
+        or Inf and false (0) otherwise: one small device op, no sync."""
         stats = self.trainer.step_stats
-        key = id(optimizer)
-        if key not in self._names:
-            self._names[key] = next((n for n, opt in self.trainer.named_optimizers().items() if opt is optimizer), "")
-        norm = stats.grad_norm.get(self._names[key])
-        loss = stats.backward_loss
+        name = self._names.get(id(optimizer))
+        if name is None:
+            name = self._names[id(optimizer)] = next(
+                (n for n, opt in self.trainer.named_optimizers().items() if opt is optimizer), "")
+        norm, loss = stats.grad_norm.get(name), stats.backward_loss
         if norm is None or loss is None:
-            parts = [t for t in (loss, norm) if t is not None]
-            return ~torch.isfinite(parts[0]) if parts else None
-        return ~torch.isfinite(loss + norm)  # one op: NaN or Inf in either propagates
+            value = norm if loss is None else loss
+            return None if value is None else value - value  # NaN where `value` is NaN or +-Inf, else 0
+        if self._zero is None:
+            self._zero = torch.zeros((), device=norm.device)
+        # One op: 0 + 0 * loss * norm is 0 when both are finite and NaN when either is NaN or
+        # +-Inf (0 * Inf = NaN; evaluated left to right, so two huge finite values give 0).
+        return torch.addcmul(self._zero, loss, norm, value=0.0)
 
     def pre_optimizer_step(self, model: Any, optimizer: Any) -> None:
         flag = self._flag(optimizer)
         if flag is None:
             return
         if self.policy == "skip":
-            self.trainer.skip_step_if(flag, _REASON)
+            self.trainer.skip_step_if(flag, _REASON)  # read once per step by the trainer's agreement
         elif self.policy == "halt":
-            if bool(flag):  # deliberate: halting is a decision made before this update
+            if bool(flag):  # deliberate, once per step: halting is a decision made before this update (NaN: true)
                 raise AnomalyError(self._diagnosis(model))
         else:
-            self._nonfinite = flag.float() if self._nonfinite is None else self._nonfinite + flag.float()
+            if self._nonfinite is None:
+                self._nonfinite = torch.zeros((), device=flag.device)
+            self._nonfinite.add_(flag.isnan())  # counted on the device: read on log steps
 
     def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
         trainer = self.trainer
@@ -103,7 +114,7 @@ class AnomalyDetectorCallback(Monitor):
         if not trainer.step_skipped:
             self.consecutive = 0
         if self.policy == "warn" and self.due() and self._nonfinite is not None:
-            count = float(self._nonfinite)  # read on log steps only
+            count = float(self._nonfinite)  # the one read of this log step
             if count > self._reported:
                 logger.warning("%d step(s) with a non-finite loss or gradients so far (policy 'warn': applied anyway)",
                                count)
@@ -111,24 +122,22 @@ class AnomalyDetectorCallback(Monitor):
             trainer.log_scalar("train/nonfinite_steps", count)
 
     def _diagnosis(self, model: Any) -> str:
-        stats = self.trainer.step_stats
-        loss = stats.backward_loss
-        bad = []
-        for name, param in (model.named_parameters() if model is not None else []):
-            grad = param.grad
-            if grad is not None:
-                local = grad.to_local() if hasattr(grad, "to_local") else grad
-                if not bool(torch.isfinite(local).all()):
-                    bad.append(name)
+        loss = self.trainer.step_stats.backward_loss
+        named = [(n, p.grad) for n, p in (model.named_parameters() if model is not None else []) if p.grad is not None]
+        checks = [torch.isfinite(g.to_local() if hasattr(g, "to_local") else g).all().float() for _, g in named]
+        checks.append(loss.float().reshape(()) if loss is not None else torch.zeros(()))
+        device = checks[0].device
+        values = torch.stack([c.to(device) for c in checks]).tolist()  # halting: one read for the report
+        bad = [name for (name, _), finite in zip(named, values) if not finite]
         where = f"gradients of {len(bad)} parameter(s): {', '.join(bad[:12])}{' ...' if len(bad) > 12 else ''}" if bad else \
             "the gradients are finite on this rank"
-        loss_text = f"loss {float(loss):.4g}" if loss is not None else "no loss recorded"
+        loss_text = f"loss {values[-1]:.4g}" if loss is not None else "no loss recorded"
         return (f"non-finite values at step {self.trainer.global_step + 1} (policy 'halt'): {loss_text}; {where}. "
                 f"{_SUGGESTIONS}")
 
     def state_dict(self) -> dict[str, Any]:
         return {"skipped_steps": self.skipped_steps, "consecutive": self.consecutive, "events": list(self.events),
-                "nonfinite": float(self._nonfinite) if self._nonfinite is not None else 0.0}
+                "nonfinite": float(self._nonfinite) if self._nonfinite is not None else 0.0}  # a read: checkpoints only
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.skipped_steps, self.consecutive = int(state["skipped_steps"]), int(state["consecutive"])

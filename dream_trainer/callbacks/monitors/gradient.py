@@ -39,9 +39,9 @@ class GradientMonitorCallback(Monitor):
         check_int("GradientMonitorCallback", "min_history", min_history, 2)
         check_int("GradientMonitorCallback", "top_k_layers", top_k_layers, 0)
         self.explosion_threshold, self.min_history, self.top_k_layers = explosion_threshold, min_history, top_k_layers
-        self.window = DeviceWindow(history_size)
+        # The norms are the trainer's fresh tensors: kept as they are (no device op per step).
+        self.window = DeviceWindow(history_size, counters=1, keep=True)  # counter 0: clip events
         self.explosions: list[tuple[int, float, float]] = []  # (step, norm, limit)
-        self._clip_events: torch.Tensor | None = None
         self._steps = 0
         self._checked_until = 0
         self._layer_norms: dict[str, torch.Tensor] = {}
@@ -62,21 +62,26 @@ class GradientMonitorCallback(Monitor):
         if not self.step_done():
             return
         stats = self.trainer.step_stats
-        if not stats.grad_norm:
+        norms = stats.grad_norm
+        if not norms:
             return
-        norms = list(stats.grad_norm.values())
-        norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+        if len(norms) == 1:
+            norm = next(iter(norms.values()))
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([n.float() for n in norms.values()]))
         self.window.push(norm, stats.step)
         self._steps += 1
         for clipped in stats.clipped.values():
-            self._clip_events = clipped.float() if self._clip_events is None else self._clip_events + clipped.float()
-        if self.due():
+            self.window.add(0, clipped)  # counted on the device
+        if self.trainer.global_step % self.log_interval == 0:
             self._log()
 
     def _log(self) -> None:
         trainer = self.trainer
-        history = self.window.read()  # the one read of this log step (with the counters below)
-        events = float(self._clip_events) if self._clip_events is not None else 0.0
+        layers = list(self._layer_norms)
+        # The one read of this log step: the window, the clip count and the layer norms.
+        history, (events,), layer_norms = self.window.read(list(self._layer_norms.values()))
+        self._layer_norms = {}
         finite = [v for _, v in history if math.isfinite(v)]
         metrics = {
             "train/grad_norm": history[-1][1],
@@ -84,10 +89,8 @@ class GradientMonitorCallback(Monitor):
             "train/clip_rate": events / self._steps,
             "train/clip_events": events,
         }
-        if self._layer_norms:
-            top = sorted(self._layer_norms.items(), key=lambda kv: -float(kv[1]))[: self.top_k_layers]
-            metrics.update({f"train/grad_norm/{name}": value for name, value in top})
-            self._layer_norms = {}
+        top = sorted(zip(layers, layer_norms), key=lambda kv: -kv[1])[: self.top_k_layers]
+        metrics.update({f"train/grad_norm/{name}": value for name, value in top})
         found = outliers(history, self._checked_until, self.explosion_threshold, self.min_history)
         if found:  # one warning per log step, however many steps were outliers
             self.explosions.extend(found)
@@ -98,11 +101,10 @@ class GradientMonitorCallback(Monitor):
         trainer.log_dict(metrics)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"steps": self._steps, "clip_events": float(self._clip_events) if self._clip_events is not None else 0.0,
-                "explosions": list(self.explosions)}
+        return {"steps": self._steps, "clip_events": self.window.counter_state()[0], "explosions": list(self.explosions)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._steps = int(state["steps"])
-        self._clip_events = torch.tensor(float(state["clip_events"]), device=self.trainer.world.device)
+        self.window.load_counters([float(state["clip_events"])], self.trainer.world.device)
         self.explosions = [tuple(e) for e in state["explosions"]]  # type: ignore[misc]
 

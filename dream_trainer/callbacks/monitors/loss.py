@@ -70,12 +70,12 @@ class LossMonitorCallback(Monitor):
         loss = trainer.step_stats.loss
         if loss is None:
             return
-        self.window.push(loss, trainer.global_step)
-        if self.due():
+        self.window.push(loss, trainer.global_step)  # one device copy
+        if trainer.global_step % self.log_interval == 0:
             self._log()
 
     def _log(self) -> None:
-        history = self.window.read()  # the one read of this log step
+        history, _, _ = self.window.read()  # the one read of this log step
         found = outliers(history, self._checked_until, self.spike_threshold, self.min_history)
         self._checked_until = history[-1][0]
         if found:  # one warning per log step

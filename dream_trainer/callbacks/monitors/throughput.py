@@ -43,8 +43,10 @@ class ThroughputMonitorCallback(Monitor):
         self.times: deque[float] = deque(maxlen=window)
         self._last: tuple[float, int, int | None, bool] | None = None
         self._events: tuple[Any, Any] | None = None
+        self._cuda = False  # timed with device events (set at setup)
 
     def post_setup(self) -> None:
+        self._cuda = self.trainer.world.device.type == "cuda"
         if self.flops_per_token == "auto":
             params = sum(p.numel() for m in self.trainer.named_models().values() for mod in m.modules()
                          if not isinstance(mod, nn.Embedding) for p in mod.parameters(recurse=False))
@@ -55,7 +57,7 @@ class ThroughputMonitorCallback(Monitor):
 
     def pre_train_step(self, batch: Any, batch_idx: int) -> None:
         trainer = self.trainer
-        if trainer.world.device.type == "cuda" and (trainer.global_step + 1) % self.log_interval == 0 and self._events is None:
+        if self._cuda and (trainer.global_step + 1) % self.log_interval == 0 and self._events is None:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
             self._events = (start, None)
