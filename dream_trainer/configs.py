@@ -301,8 +301,11 @@ class FaultToleranceParameters:
         max_failures: how many replica-group losses (a group that took part in a step and
             is missing from the next quorum) this group tolerates; one more halts the run
             with `FaultToleranceError`. None: no limit.
-        heartbeat_interval: seconds between this group's heartbeats to the lighthouse (the
-            lighthouse declares a group dead after its own ``--heartbeat-timeout-ms``).
+        heartbeat_interval: seconds between this group's heartbeats to the lighthouse: at
+            most half the lighthouse's heartbeat timeout (checked when the group starts).
+        lighthouse_heartbeat_timeout_s: the lighthouse's ``--heartbeat-timeout-ms``, in
+            seconds (default 1: dream_trainer's lighthouse); `heartbeat_interval` is checked
+            against it (against the real one when a `Lighthouse` of this process serves it).
         timeout_s: limit for one cross-group operation: the gradient all-reduce, the commit
             vote, a heal's transfer.
         quorum_timeout_s: limit for forming a quorum (waiting for the lighthouse).
@@ -321,6 +324,7 @@ class FaultToleranceParameters:
     checkpoint_interval: int | None = None
     max_failures: int | None = None
     heartbeat_interval: float = 0.1
+    lighthouse_heartbeat_timeout_s: float = 1.0
     timeout_s: float = 60.0
     quorum_timeout_s: float = 120.0
     connect_timeout_s: float = 10.0
@@ -339,7 +343,8 @@ class FaultToleranceParameters:
         _positive_int(owner, "min_replica_size", self.min_replica_size)
         _positive_int(owner, "checkpoint_interval", self.checkpoint_interval, allow_none=True)
         _positive_int(owner, "max_failures", self.max_failures, allow_none=True, allow_zero=True)
-        for name in ("heartbeat_interval", "timeout_s", "quorum_timeout_s", "connect_timeout_s"):
+        for name in ("heartbeat_interval", "lighthouse_heartbeat_timeout_s", "timeout_s", "quorum_timeout_s",
+                     "connect_timeout_s"):
             _seconds(owner, name, getattr(self, name))
         if self.hostname is not None and (not isinstance(self.hostname, str) or not self.hostname.strip()):
             raise ValueError(f"{owner}.hostname={self.hostname!r} is invalid: expected a host name or address, or None")

@@ -75,6 +75,14 @@ class CheckpointCallback(Callback[BaseTrainer]):
         self._stager: Any = None
         self._after_validation = False
         self._at_epoch_end = False
+        self._subdirectory = ""
+
+    def use_subdirectory(self, name: str) -> None:
+        """Keep this job's checkpoints in ``<root_dir>/<name>`` when `CheckpointParameters.root_dir`
+        is given (the default root, ``<run_dir>/checkpoints``, follows the run directory): for
+        jobs that share a configuration but not their checkpoints, e.g. fault-tolerant replica
+        groups (``replica_group_<id>``). It applies from the next `post_configure` on."""
+        self._subdirectory = name
 
     # ------------------------------------------------------------------ lifecycle
     def pre_launch(self) -> None:
@@ -91,7 +99,8 @@ class CheckpointCallback(Callback[BaseTrainer]):
         """Resume here: models, optimizers, schedulers and dataloaders exist, and the
         other callbacks see the restored state from `pre_setup` on."""
         trainer, world = self.trainer, self.trainer.world
-        self.root = Path(self.params.root_dir) if self.params.root_dir else trainer.run_dir / "checkpoints"
+        explicit = self.params.root_dir
+        self.root = Path(explicit) / self._subdirectory if explicit else trainer.run_dir / "checkpoints"
         if self.params.async_mode != "off":
             # Background saves run collectives; on their own group they never interleave
             # with the training loop's.

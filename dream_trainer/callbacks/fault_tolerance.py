@@ -24,10 +24,15 @@ class FaultToleranceCallback(Callback[BaseTrainer]):
     - `pre_launch`: installs a `FaultTolerantWorld` (``trainer.set_world``): the lighthouse
       is checked before anything is built, the world's replicate dimension is torchft's.
     - `pre_configure`: this group's files go to ``<run_dir>/replica_group_<id>/`` (logs,
-      checkpoints), so the groups of one run never write the same files.
+      checkpoints; an explicit `CheckpointParameters.root_dir` gets a ``replica_group_<id>``
+      subdirectory too), so the groups of one run never write the same files.
     - `post_configure`: the trainer's whole state (models, optimizers, schedulers, counters,
       callbacks, RNG and data position) is what a heal sends and loads; with
       ``checkpoint_interval`` the run's `CheckpointCallback` saves every N steps.
+    - `pre_setup`: a group resumes from the newest checkpoint of *any* group of the run it can
+      see, when it is newer than its own (its peers may have finished or be gone); the first
+      quorum fails with `FaultToleranceError` rather than train on from an older state than
+      the run's files show (see `FaultTolerantWorld.progress`).
     - every step: the quorum before the step's data, gradients averaged over the groups, the
       update applied only when the quorum commits (see `FaultTolerantWorld`).
     - checkpoints carry the torchft Manager's state (committed steps), so losing every group
@@ -36,7 +41,8 @@ class FaultToleranceCallback(Callback[BaseTrainer]):
     Logged on log steps: ``train/ft_participants``, ``train/ft_replica_losses``,
     ``train/ft_heals``, ``train/ft_uncommitted_steps``. Events go to ``<group
     dir>/fault_tolerance.jsonl`` (group rank 0), one JSON object per line: quorum changes,
-    heals, steps not committed, lost groups, and a ``step`` line on every log step.
+    heals, steps not committed, lost groups, a ``step`` line on every log step, and an
+    ``end`` line (its ``status``) when the group stops.
 
     Needs one optimizer (torchft commits once per step), ``max_steps`` and an unbounded
     epoch: a group that joins mid-run continues from its peers' step, so epochs of
@@ -55,6 +61,7 @@ class FaultToleranceCallback(Callback[BaseTrainer]):
         self.uncommitted = 0
         self._file: IO[str] | None = None
         self._lock = threading.Lock()
+        self._run_dir: Path | None = None  # the run's directory: every group's lies below it
 
     # ------------------------------------------------------------------ lifecycle
     def pre_launch(self) -> None:
@@ -75,9 +82,12 @@ class FaultToleranceCallback(Callback[BaseTrainer]):
         trainer.set_world(self.world)
 
     def pre_configure(self) -> None:
-        trainer = self.trainer
-        trainer.run_dir = Path(trainer.run_dir) / f"replica_group_{self.world.group_id}"
+        trainer, group = self.trainer, f"replica_group_{self.world.group_id}"
+        self._run_dir = Path(trainer.run_dir)
+        trainer.run_dir = self._run_dir / group
         trainer.run_dir.mkdir(parents=True, exist_ok=True)
+        for checkpoint in self._checkpoints():
+            checkpoint.use_subdirectory(group)
         if self.world.rank == 0:
             self._file = open(trainer.run_dir / "fault_tolerance.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         self.world.on_event = self._record
@@ -95,16 +105,20 @@ class FaultToleranceCallback(Callback[BaseTrainer]):
             state_dict=lambda: _to_local(trainer.state_dict(native_optimizers=True)),
             load_state_dict=lambda state: trainer.load_state_dict(_from_local(state, self.world), live=True),
             parameters=lambda: [p for group in optimizer.param_groups for p in group["params"]],
+            accumulating=lambda: trainer.is_accumulating_gradients,
         )
         self._checkpoint_schedule()
+
+    def _checkpoints(self) -> list[Any]:
+        from dream_trainer.callbacks.checkpoint import CheckpointCallback
+
+        return [cb for cb in self.trainer.callbacks if isinstance(cb, CheckpointCallback)]
 
     def _checkpoint_schedule(self) -> None:
         interval = self.params.checkpoint_interval
         if interval is None:
             return
-        from dream_trainer.callbacks.checkpoint import CheckpointCallback
-
-        found = [cb for cb in self.trainer.callbacks if isinstance(cb, CheckpointCallback)]
+        found = self._checkpoints()
         if not found:
             raise ValueError(f"FaultToleranceParameters.checkpoint_interval={interval} needs a CheckpointCallback "
                              "in the callbacks")
@@ -116,6 +130,26 @@ class FaultToleranceCallback(Callback[BaseTrainer]):
                     f"every_n_steps={every}: set one of them"
                 )
             checkpoint.params = replace(checkpoint.params, every_n_steps=interval)
+
+    def pre_setup(self) -> None:
+        """Resume from the newest checkpoint any group of this run committed, when it is newer
+        than the one this group resumed from; hand the run's history to the world."""
+        from dream_trainer.checkpoint import list_checkpoints
+        from dream_trainer.ft import group_roots, run_history
+
+        trainer, world = self.trainer, self.world
+        resuming = [cb for cb in self._checkpoints() if cb.params.resume_mode == "last" and cb.root is not None]
+        found = None
+        if world.is_rank_zero:  # one look at the files for the whole group
+            infos = [info for cb in resuming for root in group_roots(cb.root, world.group_id)
+                     for info in list_checkpoints(root)]
+            newest = max(infos, key=lambda info: info.step, default=None)
+            newer = newest.path if newest is not None and newest.step > trainer.global_step else None
+            found = (newer, run_history(self._run_dir))  # type: ignore[arg-type]
+        newer, world.progress = world.broadcast_object(found)
+        if newer is not None:
+            logger.warning("replica group %d resumes from %s, newer than its own checkpoints", world.group_id, newer)
+            resuming[0].load(newer)
 
     def post_setup(self) -> None:
         from dream_trainer.ft import FaultTolerantSampler
@@ -166,6 +200,10 @@ class FaultToleranceCallback(Callback[BaseTrainer]):
                 self._file.flush()
 
     def on_teardown(self, status: str) -> None:
+        trainer = self.trainer
+        if self.world is not None:  # a finished group tells a late one (FaultTolerantWorld.progress)
+            self._record({"event": "end", "status": status, "step": trainer.global_step, "time": time.time(),
+                          "group": self.world.group_id})
         with self._lock:
             if self._file is not None:
                 self._file.close()

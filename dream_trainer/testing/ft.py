@@ -1,5 +1,7 @@
 """`ReplicaGroup`: start, watch and SIGKILL one replica group of a fault-tolerant run (a
-process, or a ``--nproc`` launcher and its ranks), for tests and demos on one machine."""
+process, or a ``--nproc`` launcher and its ranks), for tests, demos and benchmarks on one
+machine; `wait_until` an event; `StartGate` and `start_together`, so that every group is in
+the first quorum whatever their start-up times."""
 
 from __future__ import annotations
 
@@ -7,9 +9,12 @@ import json
 import os
 import signal
 import subprocess
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from dream_trainer.callbacks.base import Callback
 
 
 def descendants(pid: int) -> list[int]:
@@ -35,18 +40,30 @@ class ReplicaGroup:
         group_dir: the group's directory (``<run_dir>/replica_group_<id>``), where
             `FaultToleranceCallback` writes ``fault_tolerance.jsonl``.
         env: the environment (default: this process's).
+        output: a file that receives the group's stdout and stderr (appended; default: this
+            process's).
     """
 
-    def __init__(self, argv: Sequence[str], group_dir: str | os.PathLike[str], env: dict[str, str] | None = None):
+    def __init__(self, argv: Sequence[str], group_dir: str | os.PathLike[str], env: dict[str, str] | None = None,
+                 output: str | os.PathLike[str] | None = None):
         self.argv, self.dir, self.env = list(argv), Path(group_dir), env
+        self.output = Path(output) if output is not None else None
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
-    def start(self) -> None:
-        """Start (or restart) the group."""
+    def start(self, argv: Sequence[str] | None = None) -> None:
+        """Start (or restart) the group; `argv` replaces its command from now on."""
         if self.alive:
             raise RuntimeError(f"replica group {self.dir.name} is already running (pid {self.proc.pid})")  # type: ignore[union-attr]
-        self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+        if argv is not None:
+            self.argv = list(argv)
+        if self.output is None:
+            self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+        else:
+            self.output.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.output, "ab") as out:
+                self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True, stdout=out,
+                                             stderr=subprocess.STDOUT)
         self.starts += 1
 
     @property
@@ -95,3 +112,56 @@ class ReplicaGroup:
         """Whether a log step at or after `step` with at least `participants` groups was recorded."""
         return any(e["event"] == "step" and e["step"] >= step and e["participants"] >= participants
                    for e in self.events())
+
+
+def wait_until(condition: Callable[[], bool], groups: Sequence[ReplicaGroup], timeout: float, what: str) -> None:
+    """Wait for `condition` (an event: a file, a line), checking every 20 ms; fail as soon
+    as one of `groups` exited with an error, or after `timeout` seconds (a bound, not a
+    timing the run depends on)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        for group in groups:
+            if group.returncode not in (None, 0):
+                raise RuntimeError(f"replica group {group.dir.name} exited with status {group.returncode} "
+                                   f"while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout:.0f} s")
+        time.sleep(0.02)
+
+
+def wait_for_file(path: str | os.PathLike[str], timeout: float = 300.0) -> None:
+    """Wait (polling every 10 ms) for `path` to exist; `TimeoutError` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout:.0f} s")
+        time.sleep(0.01)
+
+
+class StartGate(Callback[Any]):
+    """In a group's trainer: in `pre_fit` (the group's Manager heartbeats to the lighthouse
+    since launch), write ``<run_dir>/<gate's name>.ready`` (group rank 0), then wait for
+    `gate` to exist. `start_together` opens it once every group is ready: the first
+    quorum then has them all (the lighthouse waits for a live group that has not asked yet)."""
+
+    def __init__(self, gate: str | os.PathLike[str]):
+        self.gate = Path(gate)
+
+    def pre_fit(self) -> None:
+        if self.trainer.world.rank == 0:
+            (Path(self.trainer.run_dir) / f"{self.gate.name}.ready").touch()
+        wait_for_file(self.gate)
+
+
+def start_together(groups: Sequence[ReplicaGroup], gate: str | os.PathLike[str], timeout: float = 300.0) -> None:
+    """Start `groups` with ``--gate <gate>`` (replacing a previous ``--gate``; their script
+    runs a `StartGate` on it) and open the gate once every one is ready."""
+    gate = Path(gate)
+    for group in groups:
+        argv = list(group.argv)
+        if "--gate" in argv:
+            del argv[argv.index("--gate"):argv.index("--gate") + 2]
+        group.start([*argv, "--gate", str(gate)])
+    wait_until(lambda: all((g.dir / f"{gate.name}.ready").exists() for g in groups), groups, timeout,
+               "every group up")
+    gate.touch()

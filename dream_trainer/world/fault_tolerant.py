@@ -10,9 +10,11 @@ the step applied only when the quorum commits it. Per step:
 1. `before_batch` (first micro-batch, before its data is fetched): the quorum. It is
    synchronous: a group that is behind (new, restarted, or one that missed a commit) heals
    here, from a live peer, while its own main thread waits (never during a backward pass).
-2. `sync_gradients` (in ``trainer.step``, before clipping): one all-reduce per gradient
-   dtype across the groups (this rank's local shards: FSDP2/TP layouts match across groups).
-   A peer that dies mid-collective is an error reported to the Manager, never raised.
+2. the gradients averaged across the groups (this rank's local shards: FSDP2/TP layouts
+   match across groups), in buckets started during the last micro-batch's backward as their
+   gradients become ready (`GradientBuckets`); `sync_gradients` (in ``trainer.step``, before
+   clipping) starts the rest and waits. A peer that dies mid-collective is an error reported
+   to the Manager, never raised, and logged as one warning line.
 3. `agree_on_step`: torchft's commit vote. Not committed (a peer died, too few groups, a
    veto of this group's trainer): the trainer skips the step (no update, gradients dropped).
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import time
 import warnings
@@ -34,11 +37,13 @@ from urllib.parse import urlparse
 import torch
 
 from dream_trainer.configs import DeviceParameters, FaultToleranceParameters
+from dream_trainer.world.ft_gradients import GradientBuckets
 from dream_trainer.world.world import DistributedWorld, _env_int
 
 logger = logging.getLogger(__name__)
 
-_BUCKET = 1 << 26  # elements per all-reduce bucket (256 MB of float32)
+LIGHTHOUSES: dict[str, tuple[int, int]] = {}
+"""``{address: (heartbeat_timeout_ms, join_timeout_ms)}`` of the lighthouses this process serves."""
 
 
 class FaultToleranceError(RuntimeError):
@@ -46,12 +51,25 @@ class FaultToleranceError(RuntimeError):
     lighthouse, an unresolvable hostname, more replica failures than `max_failures`)."""
 
 
+_HANDLED = ("got exception waiting for work", "got exception in future", "got exception in all reduce",
+            "got exception in pg configure")
+
+
 class _DropNoise(logging.Filter):
     """torchft warns at every reconfiguration that it cannot reset NCCL's flight recorder
-    (also on CPU, where there is none)."""
+    (also on CPU, where there is none). And it logs a full traceback at ERROR for a failed
+    collective of a dream_trainer group, which it reports to its Manager: the world handles
+    that error (the step is not committed) and logs it as one warning line; the traceback
+    goes to this module's logger at DEBUG."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "flight recorder" not in record.getMessage()
+        message = record.getMessage()
+        if "flight recorder" in message:
+            return False
+        if message.startswith("[dream_trainer_") and any(h in message for h in _HANDLED):
+            logger.debug("torchft: %s", message, exc_info=record.exc_info)
+            return False
+        return True
 
 
 def quiet_torchft() -> None:
@@ -99,6 +117,27 @@ def check_lighthouse(address: str, timeout_s: float) -> None:
         ) from None
 
 
+def check_heartbeat(params: FaultToleranceParameters, address: str) -> None:
+    """`heartbeat_interval` must be at most half the lighthouse's heartbeat timeout: a
+    group silent for longer than the timeout is dead to the lighthouse, so with rarer
+    heartbeats a live group drops out of quorums between them, and a joining group waits
+    up to `heartbeat_interval` (many steps) to be let in. The timeout is the real one of a
+    `Lighthouse` this process serves, else ``lighthouse_heartbeat_timeout_s`` (a remote
+    lighthouse's settings cannot be read)."""
+    known = LIGHTHOUSES.get(address)
+    timeout_s = known[0] / 1000 if known else params.lighthouse_heartbeat_timeout_s
+    if params.heartbeat_interval > timeout_s / 2:
+        source = (f"the heartbeat_timeout_ms={known[0]} of the Lighthouse at {address}" if known else
+                  f"FaultToleranceParameters.lighthouse_heartbeat_timeout_s={timeout_s:g}, the lighthouse's "
+                  "--heartbeat-timeout-ms this group assumes (set it to the real one)")
+        raise FaultToleranceError(
+            f"FaultToleranceParameters.heartbeat_interval={params.heartbeat_interval:g} s is too long for a "
+            f"heartbeat timeout of {timeout_s:g} s ({source}): it must be at most half of it, <= "
+            f"{timeout_s / 2:g} s; rarer heartbeats make the lighthouse drop this live group between them and keep "
+            "a joining group waiting for many steps"
+        )
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return all(info[4][0].startswith("127.") or info[4][0] == "::1" for info in socket.getaddrinfo(host, None))
@@ -135,6 +174,13 @@ def resolve_hostname(hostname: str | None, lighthouse: str) -> str:
     )
 
 
+def _one_line(exc: BaseException) -> str:
+    """An error as one short line: gloo's source location and advice dropped."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = re.sub(r"^\[[^\]]*:\d+\] ", "", text).split(" This is typically caused")[0]
+    return f"{type(exc).__name__}: {text[:200]}"
+
+
 def _group_id(params: FaultToleranceParameters) -> int:
     if params.replica_group_id is not None:
         return params.replica_group_id
@@ -162,9 +208,17 @@ class FaultTolerantWorld(DistributedWorld):
             ``"heal_sent"``, ``"not_committed"``, ``"replica_lost"``), ``step``, ``time`` and
             details (`FaultToleranceCallback` writes them to ``fault_tolerance.jsonl``);
             ``heal_sent`` comes from torchft's quorum thread.
+        progress: what this run's files say about the steps taken before this process
+            started, ``(committed, finished, where)``: the most committed steps recorded,
+            the step at which a group finished the run (None: none did) and where that was
+            read. Set by `FaultToleranceCallback` before training; the first quorum checks
+            this group against it (`dream_trainer.ft.check_progress`).
+        gradients: the bucketed cross-group gradient all-reduce (after `launch`).
     """
 
     announces_batches = True
+    bucket_mb = 25.0
+    """The size of a bucket of the cross-group gradient all-reduce (`GradientBuckets`)."""
 
     def __init__(self, device_parameters: DeviceParameters | None, params: FaultToleranceParameters):
         if not isinstance(params, FaultToleranceParameters):
@@ -173,6 +227,7 @@ class FaultTolerantWorld(DistributedWorld):
         self.ft = params
         self.group_id = _group_id(params)
         self.lighthouse = lighthouse_address(params)
+        check_heartbeat(params, self.lighthouse)
         self.hostname = resolve_hostname(params.hostname, self.lighthouse)
         self.manager: Any = None
         self.participants = 0
@@ -188,6 +243,10 @@ class FaultTolerantWorld(DistributedWorld):
         self._token = 0  # committed steps when the current step began
         self._in_quorum = False
         self._healed_s: float | None = None
+        self._failure: tuple[int, str] | None = None  # (step, error) of a step an error kept from committing
+        self.progress: tuple[int, int | None, str] | None = None
+        self.gradients: Any = None  # a GradientBuckets
+        self._accumulating: Callable[[], bool] | None = None
 
     # ------------------------------------------------------------------ launch
     def launch(self) -> None:
@@ -245,13 +304,25 @@ class FaultTolerantWorld(DistributedWorld):
             checkpoint_transport=_Transport(timeout=timeout, num_chunks=0),
             init_sync=params.init_sync,
         )
+        manager = self.manager
+        self.gradients = GradientBuckets(lambda t: manager.allreduce(t), manager.report_error, self._final_gradients,
+                                         self.bucket_mb)
 
     def attach(self, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None],
-               parameters: Callable[[], list[Any]]) -> None:
+               parameters: Callable[[], list[Any]], accumulating: Callable[[], bool] | None = None) -> None:
         """What a heal sends and applies (the trainer's whole state) and the parameters whose
-        gradients are averaged (to release the peers of a step that ended without an update)."""
+        gradients are averaged (hooked, so that their all-reduce starts during backward;
+        also to release the peers of a step that ended without an update). `accumulating`:
+        whether the current backward is an accumulation micro-step (its gradients are not
+        final: nothing starts; None: nothing ever starts during backward)."""
         self._state_fns = (state_dict, load_state_dict, parameters)
         self.manager.register_state_dict_fn("trainer", self._load, self._save)
+        self._accumulating = accumulating
+        self.gradients.bind(parameters())
+
+    def _final_gradients(self) -> bool:
+        """Whether a gradient ready now is final for this step (its bucket may start)."""
+        return self._step_open and self._accumulating is not None and not self._accumulating()
 
     def _save(self) -> Any:
         # torchft calls this in its quorum thread; the main thread waits in the quorum.
@@ -287,23 +358,38 @@ class FaultTolerantWorld(DistributedWorld):
         self._token = manager.current_step()
         self._step_open, self._micro = True, 0
         self._attempt += 1
+        self.gradients.reset()
         if self._healed_s is not None:
             self._event("heal", seconds=quorum_s, load_s=self._healed_s, participants=self.participants)
             logger.warning("replica group %d healed from a peer at step %d (%.2f s)", self.group_id, self._token, quorum_s)
+        if self._attempt == 1 and self.progress is not None:
+            from dream_trainer.ft import check_progress
+
+            check_progress(self.progress, self._token, self.participants, self.group_id)
         if self.participants != previous:
             self._event("quorum", participants=self.participants, replica_rank=self.replica_rank, seconds=quorum_s)
-        if previous and self.participants < previous:
-            self.replica_losses += previous - self.participants
-            self._event("replica_lost", lost=previous - self.participants, participants=self.participants,
-                        seconds=quorum_s)
-            logger.warning("replica group %d: %d group(s) lost, training on with %d", self.group_id,
-                           previous - self.participants, self.participants)
-            limit = self.ft.max_failures
-            if limit is not None and self.replica_losses > limit:
-                raise FaultToleranceError(
-                    f"{self.replica_losses} replica group failure(s) so far, more than max_failures={limit}: halting "
-                    f"(replica group {self.group_id}, step {self._token})"
-                )
+        self._report_losses(previous, quorum_s)
+
+    def _report_losses(self, previous: int, quorum_s: float) -> None:
+        """One warning line for groups lost since the last quorum, with the error that kept
+        the last step from committing, if any (or for that error alone); `max_failures`."""
+        failure, self._failure = self._failure, None
+        lost = previous - self.participants if previous else 0
+        if failure is not None and lost <= 0:
+            logger.warning("replica group %d: step %d was not committed (%s); retried", self.group_id, failure[0] + 1,
+                           failure[1])
+        if lost <= 0:
+            return
+        self.replica_losses += lost
+        self._event("replica_lost", lost=lost, participants=self.participants, seconds=quorum_s)
+        logger.warning("replica group %d: %d group(s) lost, training on with %d%s", self.group_id, lost,
+                       self.participants, f" (step {failure[0] + 1} was not committed: {failure[1]})" if failure else "")
+        limit = self.ft.max_failures
+        if limit is not None and self.replica_losses > limit:
+            raise FaultToleranceError(
+                f"{self.replica_losses} replica group failure(s) so far, more than max_failures={limit}: halting "
+                f"(replica group {self.group_id}, step {self._token})"
+            )
 
     def step_slot(self) -> tuple[int, int, int, int, int]:
         """``(attempt, committed, participants, replica_rank, micro)`` of the step being
@@ -315,36 +401,12 @@ class FaultTolerantWorld(DistributedWorld):
             )
         return self._attempt, self._token, self.participants, self.replica_rank or 0, self._micro
 
-    @torch.no_grad()
     def sync_gradients(self, parameters: list[Any]) -> None:
-        """Average this rank's gradients (local shards) over the quorum's participants.
-        A missing gradient counts as zeros. On an error (a peer died) the local gradients
-        are kept and the error goes to the Manager: the step will not be committed."""
-        from torch.distributed.tensor import DTensor
-
-        manager = self.manager
-        buckets: dict[tuple[torch.dtype, torch.device], list[tuple[int, list[torch.Tensor]]]] = {}
-        for p in parameters:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            chunks = buckets.setdefault((grad.dtype, grad.device), [(0, [])])
-            size, tensors = chunks[-1]
-            if tensors and size + grad.numel() > _BUCKET:
-                chunks.append((0, []))
-                size, tensors = chunks[-1]
-            tensors.append(grad)
-            chunks[-1] = (size + grad.numel(), tensors)
-        pending = []
-        for chunks in buckets.values():
-            for _, tensors in chunks:
-                flat = torch._utils._flatten_dense_tensors(tensors)
-                pending.append((manager.allreduce(flat), flat, tensors))
-        for work, flat, tensors in pending:
-            work.wait()  # errors are reported to the Manager, not raised
-        if manager.errored() is None:
-            for _, flat, tensors in pending:
-                torch._foreach_copy_(tensors, torch._utils._unflatten_dense_tensors(flat, tensors))
+        """Average this rank's gradients (local shards) over the quorum's participants: the
+        buckets backward did not start are started here, then all are waited for. A missing
+        gradient counts as zeros. An error (a peer died) goes to the Manager, never raised:
+        the step will not be committed (its gradients are dropped)."""
+        self.gradients.finish(parameters, healthy=lambda: self.manager.errored() is None)
 
     def agree_on_step(self, skip_reason: str | None) -> str | None:
         """torchft's commit vote (every rank of every group takes part once per step). A
@@ -363,6 +425,8 @@ class FaultTolerantWorld(DistributedWorld):
                            f"{error.original_exception}" if error is not None else
                            f"not committed: {self.participants} group(s) < min_replica_size={self.ft.min_replica_size}"
                            if not enough else "not committed by the quorum")
+            if error is not None:  # logged once, at the next quorum (with the lost groups, if any)
+                self._failure = (self._token, _one_line(error.original_exception))
         self._event("not_committed", reason=skip_reason[:300], participants=self.participants)
         return skip_reason
 
@@ -392,6 +456,12 @@ class FaultTolerantWorld(DistributedWorld):
             self.on_event(event)
 
     def teardown(self, abort: bool = False) -> None:
+        if self._failure is not None:  # not reported at a next quorum
+            logger.warning("replica group %d: step %d was not committed (%s)", self.group_id, self._failure[0] + 1,
+                           self._failure[1])
+            self._failure = None
+        if self.gradients is not None:
+            self.gradients.close()
         manager, self.manager = self.manager, None
         pg, self._replica_pg = self._replica_pg, None
         if manager is not None:

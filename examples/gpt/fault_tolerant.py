@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
 from dream_trainer.ft import Lighthouse  # noqa: E402
-from dream_trainer.testing.ft import ReplicaGroup  # noqa: E402
+from dream_trainer.testing.ft import ReplicaGroup, wait_until  # noqa: E402
 
 
 def run(argv: list[str] | None = None) -> dict[str, Any]:
@@ -46,7 +46,9 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--kill-group", type=int, default=None, help="SIGKILL this group once it reached --kill-at")
     p.add_argument("--kill-at", type=int, default=40, help="the step at which the group is killed")
-    p.add_argument("--restart-after", type=float, default=2.0, help="seconds before the killed group is restarted")
+    p.add_argument("--restart-after", type=float, default=2.0,
+                   help="seconds to wait, once the other groups have trained on without it, before the killed group "
+                        "is restarted")
     p.add_argument("--heartbeat-timeout-ms", type=int, default=1000)
     p.add_argument("--root-dir", default="runs")
     p.add_argument("--run-name", default=f"ft-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -57,6 +59,10 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
                   "--parallel", args.parallel, *(["--nproc", str(args.nproc)] if args.nproc > 1 else []), *extra]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     deadline = time.monotonic() + args.timeout
+
+    def left() -> float:
+        return max(0.0, deadline - time.monotonic())
+
     with Lighthouse(bind="127.0.0.1:0", heartbeat_timeout_ms=args.heartbeat_timeout_ms, join_timeout_ms=200) as lh:
         env["TORCHFT_LIGHTHOUSE"] = lh.address
         groups = [ReplicaGroup([sys.executable, str(HERE / "train.py"), "--ft-group", str(g), *train_args],
@@ -67,29 +73,27 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
                 group.start()
             victim = groups[args.kill_group] if args.kill_group is not None else None
             if victim is not None:
-                while not victim.reached(args.kill_at, args.groups):
-                    _check(groups, deadline)
-                    time.sleep(0.05)
+                wait_until(lambda: victim.reached(args.kill_at, args.groups), groups, left(), f"step {args.kill_at}")
                 victim.kill()
+                killed = time.time()
                 print(f"killed replica group {args.kill_group} (SIGKILL) at step {args.kill_at}", flush=True)
+                others = [g for g in groups if g is not victim]
+                wait_until(lambda: all(_trained_without(g, killed, args.groups) or not g.alive for g in others), others,
+                           left(), "the other groups training on without the killed one")
                 time.sleep(args.restart_after)
                 victim.start()
                 print(f"restarted replica group {args.kill_group}", flush=True)
-            while any(g.alive for g in groups):
-                _check(groups, deadline)
-                time.sleep(0.1)
+            wait_until(lambda: not any(g.alive for g in groups), groups, left(), "the end of the run")
         finally:
             for group in groups:
                 group.kill()
     return _summary(groups)
 
 
-def _check(groups: list[ReplicaGroup], deadline: float) -> None:
-    for g, group in enumerate(groups):
-        if group.returncode not in (None, 0):
-            raise RuntimeError(f"replica group {g} exited with status {group.returncode}")
-    if time.monotonic() > deadline:
-        raise TimeoutError("the fault-tolerant demo did not finish in time")
+def _trained_without(group: ReplicaGroup, since: float, groups: int) -> bool:
+    """Whether `group` committed a step with fewer than `groups` groups after `since`."""
+    return any(e["event"] == "step" and e["committed"] and e["participants"] < groups and e["time"] > since
+               for e in group.events())
 
 
 def _summary(groups: list[ReplicaGroup]) -> dict[str, Any]:

@@ -3,8 +3,15 @@
 
     python ft_worker.py --group 1 --root DIR --steps 40 [--nproc 2 --parallel fsdp] [--die-at 10]
 
-``--die-at K``: SIGKILL this process in step K after its backward, before the gradient
-all-reduce (the other groups are then in that all-reduce with a dead peer).
+``--die-at K``: SIGKILL this process in step K before its backward (the other groups are
+then in that step's gradient all-reduce with a dead peer).
+``--gate PATH``: after setup, write ``<group dir>/<PATH's name>.ready`` and wait for PATH to
+exist before the first quorum (the test opens the gate once every group is ready: all of
+them are then in the first quorum, whatever their start-up times).
+``--hold PATH``: after the first step this group commits with a group lost, write
+``<group dir>/<PATH's name>.held`` and wait for PATH (the test restarts the lost group
+meanwhile: it is then up, heartbeating, when this group's next quorum forms).
+Each rank writes its model's final parameters to ``<group dir>/final.rank<R>.pt``.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +42,9 @@ from dream_trainer import (
 )
 from dream_trainer.ft import FaultTolerantSampler
 from dream_trainer.testing import ToyTrainer
+from dream_trainer.testing.ft import StartGate, wait_for_file
 from dream_trainer.testing.toy import toy_data
+from dream_trainer.world.fault_tolerant import FaultTolerantWorld
 
 
 class Worker(ToyTrainer):
@@ -52,24 +62,42 @@ class Worker(ToyTrainer):
         x, y, index = batch
         time.sleep(self.args.delay_ms / 1000)  # a slower step: the kill lands mid-run
         loss = torch.nn.functional.mse_loss(self.model(x), y)
-        self.backward(loss)
         if self.args.die_at == self.global_step + 1:
-            os.kill(os.getpid(), signal.SIGKILL)  # after backward, before the gradient all-reduce
+            os.kill(os.getpid(), signal.SIGKILL)  # before backward: the peers' all-reduce has a dead peer
+        self.backward(loss)
         self.step(self.optimizer)
         self.last_indices = index.tolist()
         return {"loss": loss}
 
 
 class Samples(Callback[Worker]):
-    """Appends {step, committed, participants, indices} per optimizer step to
-    <group dir>/samples.rank<R>.jsonl."""
+    """Appends {step, committed, participants, indices, ...} per optimizer step to
+    <group dir>/samples.rank<R>.jsonl; the hold (see the module docstring)."""
+
+    def __init__(self, hold: str | None, overlap: bool):
+        self.hold, self.overlap = Path(hold) if hold else None, overlap
+
+    def post_configure(self) -> None:
+        self.trainer.world.gradients.overlap = self.overlap
 
     def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
         trainer = self.trainer
+        if self.hold is not None and trainer.world.replica_losses and not trainer.step_skipped:
+            if trainer.world.rank == 0:
+                (trainer.run_dir / f"{self.hold.name}.held").touch()
+            wait_for_file(self.hold)
+            self.hold = None
         record = {"step": trainer.global_step, "committed": not trainer.step_skipped,
-                  "participants": trainer.world.participants, "indices": trainer.last_indices}
+                  "participants": trainer.world.participants, "indices": trainer.last_indices,
+                  "started_in_backward": trainer.world.gradients.started_in_backward,
+                  "buckets": trainer.world.gradients.buckets}
         with open(trainer.run_dir / f"samples.rank{trainer.world.rank}.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
+
+    def post_fit(self) -> None:
+        trainer = self.trainer
+        torch.save({k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in trainer.model.state_dict().items()},
+                   trainer.run_dir / f"final.rank{trainer.world.rank}.pt")
 
 
 def main() -> Worker:
@@ -84,8 +112,18 @@ def main() -> Worker:
     p.add_argument("--checkpoint-interval", type=int, default=None)
     p.add_argument("--max-failures", type=int, default=None)
     p.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp")
+    p.add_argument("--gate", default=None)
+    p.add_argument("--hold", default=None)
+    p.add_argument("--checkpoint-root", default=None, help="an explicit CheckpointParameters.root_dir")
+    p.add_argument("--no-checkpoint", action="store_true")
+    p.add_argument("--bucket-mb", type=float, default=None)
+    p.add_argument("--no-overlap", action="store_true", help="every gradient all-reduce starts after backward")
     args = p.parse_args()
+    if args.bucket_mb is not None:
+        FaultTolerantWorld.bucket_mb = args.bucket_mb
     device = DeviceParameters.FSDP() if args.parallel == "fsdp" else DeviceParameters.DDP()
+    checkpoint = [] if args.no_checkpoint else [
+        CheckpointCallback(CheckpointParameters(every_n_epochs=None, root_dir=args.checkpoint_root))]
     config = TrainerConfig(
         experiment="ft", run_name=args.run_name, root_dir=args.root, seed=0, device_parameters=device,
         training_parameters=TrainingParameters(n_epochs=None, max_steps=args.steps, num_sanity_val_steps=0),
@@ -94,9 +132,10 @@ def main() -> Worker:
             FaultToleranceCallback(FaultToleranceParameters(replica_group_id=args.group, timeout_s=20.0,
                                                             checkpoint_interval=args.checkpoint_interval,
                                                             max_failures=args.max_failures)),
-            Samples(),
+            Samples(args.hold, overlap=not args.no_overlap),
+            *([StartGate(args.gate)] if args.gate else []),
             LoggerCallback(tensorboard=False),
-            CheckpointCallback(CheckpointParameters(every_n_epochs=None)),
+            *checkpoint,
         ],
     )
     trainer = Worker(config, args)

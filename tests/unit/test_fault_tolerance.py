@@ -1,7 +1,9 @@
 """Fault tolerance in one process: settings and their errors, an unreachable lighthouse, the
-hostname trap, the lighthouse CLI, and one replica group training with a real lighthouse
-and torchft Manager (committed steps, vetoes, skipped batches, the Manager's state in
-checkpoints). The multi-group runs are in tests/integration/test_fault_tolerance.py."""
+hostname trap, the heartbeat interval against the lighthouse's timeout, the lighthouse CLI,
+the run's history read from its files, and one replica group training with a real
+lighthouse and torchft Manager (committed steps, vetoes, skipped batches, the Manager's
+state in checkpoints, the gradient all-reduce started during backward). The multi-group
+runs are in tests/integration/test_fault_tolerance.py."""
 
 from __future__ import annotations
 
@@ -30,11 +32,11 @@ from dream_trainer import (
     TrainerConfig,
     TrainingParameters,
 )
-from dream_trainer.ft import FaultTolerantSampler, Lighthouse, step_units
+from dream_trainer.ft import FaultTolerantSampler, Lighthouse, check_progress, group_roots, run_history, step_units
 from dream_trainer.launch import free_port
 from dream_trainer.testing import ToyTrainer
 from dream_trainer.testing.toy import toy_data
-from dream_trainer.world.fault_tolerant import check_lighthouse, resolve_hostname
+from dream_trainer.world.fault_tolerant import FaultTolerantWorld, check_heartbeat, check_lighthouse, resolve_hostname
 
 needs_torchft = pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="torchft is not installed")
 
@@ -47,6 +49,7 @@ needs_torchft = pytest.mark.skipif(importlib.util.find_spec("torchft") is None, 
     ({"checkpoint_interval": 0}, r"checkpoint_interval=0 is invalid"),
     ({"max_failures": -1}, r"max_failures=-1 is invalid"),
     ({"heartbeat_interval": float("nan")}, r"heartbeat_interval=nan is invalid"),
+    ({"lighthouse_heartbeat_timeout_s": 0}, r"lighthouse_heartbeat_timeout_s=0 is invalid"),
     ({"hostname": " "}, r"hostname=' ' is invalid"),
     ({"init_sync": "yes"}, r"init_sync='yes' is invalid: expected True or False"),
 ])
@@ -98,7 +101,9 @@ def test_an_unreachable_lighthouse_fails_at_once(tmp_path):
     started = time.monotonic()
     with pytest.raises(FaultToleranceError, match=r"lighthouse at http://127.0.0.1:\d+ is unreachable.*dream_trainer.ft"):
         trainer.fit()
-    assert time.monotonic() - started < 3.0 and trainer.status == "failed" and not probe.configured
+    # Before any model is built, and long before torchft's quorum timeout (120 s) would
+    # have ended the wait (a bound, not a timing: it holds on a busy machine).
+    assert time.monotonic() - started < 60 and trainer.status == "failed" and not probe.configured
     with pytest.raises(FaultToleranceError, match="unreachable"):  # a name that does not resolve
         check_lighthouse("http://no-such-host.invalid:29510", 2.0)
 
@@ -125,6 +130,72 @@ def test_no_lighthouse_and_no_group_id(tmp_path, monkeypatch):
 def test_step_based_runs_only(tmp_path, training, message):
     with pytest.raises(ValueError, match=message):
         ToyTrainer(_config("http://127.0.0.1:1", root=tmp_path, **training)).fit()
+
+
+# --------------------------------------------------------------------- heartbeats
+@needs_torchft
+def test_the_heartbeat_interval_is_checked_against_the_lighthouse(tmp_path):
+    """A heartbeat interval longer than half the lighthouse's heartbeat timeout fails before
+    anything is built, naming both values and what is allowed: against the real timeout
+    of a lighthouse in this process, else against lighthouse_heartbeat_timeout_s."""
+    with Lighthouse(bind="127.0.0.1:0", heartbeat_timeout_ms=1000, join_timeout_ms=100) as lh:
+        probe = Configured()
+        config = _config(lh.address, probe, root=tmp_path)
+        config.callbacks[0].params = FaultToleranceParameters(lighthouse=lh.address, replica_group_id=0,
+                                                              heartbeat_interval=60.0)
+        trainer = ToyTrainer(config)
+        with pytest.raises(FaultToleranceError, match=(
+                rf"heartbeat_interval=60 s is too long for a heartbeat timeout of 1 s \(the heartbeat_timeout_ms=1000 "
+                rf"of the Lighthouse at {lh.address}\): it must be at most half of it, <= 0.5 s")):
+            trainer.fit()
+        assert trainer.status == "failed" and not probe.configured
+        # The real timeout wins over what the group assumes.
+        with pytest.raises(FaultToleranceError, match=r"heartbeat_interval=0.6 s .* <= 0.5 s"):
+            check_heartbeat(FaultToleranceParameters(heartbeat_interval=0.6, lighthouse_heartbeat_timeout_s=5.0),
+                            lh.address)
+        check_heartbeat(FaultToleranceParameters(heartbeat_interval=0.5), lh.address)
+    remote = "http://192.0.2.1:29510"  # settings unknown: lighthouse_heartbeat_timeout_s (default 1 s)
+    with pytest.raises(FaultToleranceError, match=r"heartbeat_interval=60 s .*lighthouse_heartbeat_timeout_s=1, "
+                                                  r"the lighthouse's --heartbeat-timeout-ms this group assumes"):
+        check_heartbeat(FaultToleranceParameters(heartbeat_interval=60.0), remote)
+    check_heartbeat(FaultToleranceParameters(heartbeat_interval=60.0, lighthouse_heartbeat_timeout_s=120.0), remote)
+
+
+# --------------------------------------------------------------------- the run's files
+def test_the_run_history_and_the_groups_checkpoint_roots(tmp_path):
+    """What a (re)starting group reads of the other groups' files: only JSON, lines cut
+    short by a kill skipped; the checkpoint roots of every group, default or explicit."""
+    for group, lines in {0: ['{"event": "step", "step": 7}', '{"event": "end", "status": "completed", "step": 9}'],
+                         1: ['{"event": "quorum", "step": 12}', '{"event": "st'],
+                         2: ['{"event": "end", "status": "failed", "step": 30}']}.items():
+        (tmp_path / f"replica_group_{group}").mkdir()
+        (tmp_path / f"replica_group_{group}" / "fault_tolerance.jsonl").write_text("\n".join(lines) + "\n")
+    assert run_history(tmp_path) == (30, 9, str(tmp_path / "replica_group_0" / "fault_tolerance.jsonl"))
+    assert run_history(tmp_path / "nothing") == (0, None, "")
+    (tmp_path / "replica_group_x").mkdir()
+    assert group_roots(tmp_path / "replica_group_1" / "checkpoints", 1) == [
+        tmp_path / f"replica_group_{g}" / "checkpoints" for g in (0, 1, 2)]
+    assert group_roots(tmp_path / "replica_group_2", 2) == [tmp_path / f"replica_group_{g}" for g in (0, 1, 2)]
+    assert group_roots(tmp_path / "elsewhere", 1) == [tmp_path / "elsewhere"]
+
+
+def test_a_first_quorum_behind_the_run_fails_or_warns(caplog):
+    """Behind a finished run: an error. From step 0 while steps were committed: an error.
+    From a checkpoint older than the last committed step (every group was lost): a warning.
+    At or past what the files say: nothing."""
+    with pytest.raises(FaultToleranceError, match=r"replica group 1 stands at step 4 after its first quorum "
+                                                  r"\(1 group\(s\)\), but this run was finished at step 20 \(f.jsonl\)"):
+        check_progress((20, 20, "f.jsonl"), 4, 1, 1)
+    with pytest.raises(FaultToleranceError, match=r"would train this run again from step 0: 17 step\(s\) were "
+                                                  r"committed before \(g.jsonl\)"):
+        check_progress((17, None, "g.jsonl"), 0, 2, 0)
+    with caplog.at_level("WARNING", logger="dream_trainer.ft"):
+        check_progress((17, None, "g.jsonl"), 15, 2, 0)
+        check_progress((17, 17, "g.jsonl"), 17, 1, 0)
+        check_progress((0, None, ""), 0, 1, 0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "replica group 0 resumes at step 15: steps 16-17 of this run were committed before (g.jsonl), but no live "
+        "group and no checkpoint visible to this group has them: they are lost"]
 
 
 # --------------------------------------------------------------------- the lighthouse CLI
@@ -235,6 +306,87 @@ def test_a_veto_is_not_committed_and_a_skipped_batch_releases_the_step(tmp_path,
         (3, "vetoed by VetoAndSkip"), (6, "the step ended without an optimizer step")]
     # The vetoed step is retried on the same data (not committed: the units did not move).
     assert trainer.seen[3] == trainer.seen[4]
+
+
+class AllReduces(Callback):
+    """Per micro-batch: whether it was an accumulation micro-step, the cross-group
+    all-reduces started since the last one, how many of them during backward; and the
+    gradient of the model's unused parameter at the optimizer step."""
+
+    def __init__(self):
+        self.calls, self.records, self.unused_grads = 0, [], []
+
+    def pre_configure(self):  # the Manager exists (launched); the world attaches it in post_configure
+        manager = self.trainer.world.manager
+        start = manager.allreduce
+
+        def counted(tensor, *args, **kwargs):
+            self.calls += 1
+            return start(tensor, *args, **kwargs)
+
+        manager.allreduce = counted
+
+    def pre_optimizer_step(self, model, optimizer):
+        self.unused_grads.append(model.unused.grad.clone())
+
+    def post_train_step(self, result, batch_idx):
+        trainer = self.trainer
+        self.records.append((trainer.is_accumulating_gradients, self.calls, trainer.world.gradients.started_in_backward))
+        self.calls = 0
+
+
+class WithUnused(FTToy):
+    """A model with a parameter that never gets a gradient (a missing gradient is zeros)."""
+
+    def configure_models(self):
+        super().configure_models()
+        self.model.register_parameter("unused", torch.nn.Parameter(torch.ones(3)))
+
+
+@needs_torchft
+def test_the_gradient_all_reduce_starts_during_the_last_backward_of_a_step(tmp_path, lighthouse, monkeypatch):
+    """Bucketed: each bucket's all-reduce starts in the backward of a step's last micro-batch
+    as soon as its gradients are ready (nothing on accumulation micro-steps); a bucket with
+    a parameter that gets no gradient is started by trainer.step, with zeros for it."""
+    monkeypatch.setattr(FaultTolerantWorld, "bucket_mb", 0.001)
+    spy = AllReduces()
+    trainer = WithUnused(_config(lighthouse.address, spy, root=tmp_path, gradient_accumulation_steps=2),
+                         micro_batches=2, n_samples=64, batch_size=4, hidden=64)
+    trainer.fit()
+    buckets = trainer.world.gradients.buckets
+    assert trainer.status == "completed" and trainer.global_step == 12 and buckets >= 3
+    # The unused parameter comes first, so its bucket is the last: the others start in backward.
+    assert spy.records == [(True, 0, 0), (False, buckets, buckets - 1)] * 12
+    assert all(torch.equal(g, torch.zeros(3)) for g in spy.unused_grads) and len(spy.unused_grads) == 12
+
+
+class TwoBackward(FTToy):
+    """Two backward passes in a step's only micro-batch."""
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        self.seen.append(index.tolist())
+        loss = torch.nn.functional.mse_loss(self.model(x), y)
+        self.backward(loss, retain_graph=True)
+        self.backward(loss)
+        self.step(self.optimizer)
+        return {"loss": loss}
+
+
+@needs_torchft
+def test_a_gradient_after_its_all_reduce_started_is_not_committed(tmp_path, lighthouse, caplog):
+    """A second backward adds to gradients whose all-reduce already started: that step is not
+    committed (never applied with half-averaged gradients), said once, and the all-reduce
+    then starts after backward: the next steps commit, on the same data first."""
+    trainer = TwoBackward(_config(lighthouse.address, root=tmp_path), n_samples=64, batch_size=4)
+    with caplog.at_level("WARNING", logger="dream_trainer.world.fault_tolerant"):
+        trainer.fit()
+    assert trainer.status == "completed" and trainer.global_step == 12 and trainer.skipped_steps == 1
+    failed = [e for e in _events(trainer) if e["event"] == "not_committed"]
+    assert [e["step"] for e in failed] == [0] and "LateGradientError: a gradient was accumulated after" in failed[0]["reason"]
+    assert trainer.world.gradients.overlap is False and trainer.seen[0] == trainer.seen[1]
+    said = [r.getMessage() for r in caplog.records if "not committed" in r.getMessage()]
+    assert len(said) == 1 and "step 1 was not committed (LateGradientError" in said[0]
 
 
 @needs_torchft
