@@ -11,10 +11,10 @@ Variants: ``fp32``; ``bf16`` (autocast bfloat16); ``fp8-tensorwise`` and ``fp8-r
 tokens/s from the median timed step; peak memory from the device (CUDA) or the process's
 peak resident set (CPU). The ratio column is against bf16 of the same model and mode.
 
-On a CPU (or a GPU before SM89) there is no float8 matmul: torchao emulates it (casts,
-scales and a high-precision matmul), so float8 is SLOWER there; the script says so. The
-speedup is a property of H100/H200-class GPUs (torchtitan reports ~1.28x over bf16 +
-compile on Llama-3 8B).
+On a CPU (or a GPU before SM89) there is no float8 matmul: `Fp8Quantization` has torchao
+emulate it (``emulate=True``: casts, scales and a float32 matmul), so float8 is SLOWER there;
+the script says so. The speedup is a property of H100/H200-class GPUs (torchtitan reports
+~1.28x over bf16 + compile on Llama-3 8B).
 
     python benchmarks/fp8.py                # both models, eager and compiled, 2 rounds: ~10 minutes on 2 CPU cores
     python benchmarks/fp8.py --quick        # both models, eager only, 1 round: ~1.5 minutes
@@ -23,6 +23,7 @@ compile on Llama-3 8B).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import resource
 import statistics
@@ -40,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt")
 from train import PARALLEL, GPTTrainer, parse_args  # noqa: E402
 
 from dream_trainer import DreamTrainer, LoggingParameters, TrainerConfig, TrainingParameters  # noqa: E402
+from dream_trainer.callbacks.fp8 import float8_hardware  # noqa: E402
 from dream_trainer.testing import spawn_world  # noqa: E402
 
 from common import StepTimes, machine, write_json  # noqa: E402  (benchmarks/common.py)
@@ -94,7 +96,8 @@ def run(model: str, variant: str, compiled: bool, opts: dict[str, Any]) -> dict[
         timer = StepTimes()
         callbacks: list[Any] = [timer]
         if variant.startswith("fp8"):
-            callbacks.append(Fp8Quantization(variant.split("-")[1]))
+            logging.getLogger("dream_trainer.callbacks.fp8").setLevel(logging.ERROR)  # the table says "EMULATED" once
+            callbacks.append(Fp8Quantization(variant.split("-")[1], display=False))
         steps = opts["warmup"] + opts["steps"]
         config = TrainerConfig(
             experiment="fp8", root_dir=root, seed=0, device_parameters=params,
@@ -137,7 +140,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.quick:
         args.rounds, args.steps, args.no_compile = 1, 6, True
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    native = device == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
+    hardware = float8_hardware(device)  # the callback's own decision: native float8 matmuls, or emulated
+    native = hardware.native
     default = 1024 if device == "cuda" else 512  # bf16 matmuls are slow on CPUs without bf16 units
     args.width, args.tokens = args.width or default, args.tokens or default
     opts = {"device": device, "steps": args.steps, "warmup": args.warmup, "width": args.width, "tokens": args.tokens}
@@ -153,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"  round {r + 1}/{args.rounds} {model} {variant:<15} {'compiled' if compiled else 'eager':<9}"
                   f"{out['tokens_per_s']:>11,.0f} tokens/s {out['peak_mb']:>8,.0f} MiB", flush=True)
     wall = time.perf_counter() - start
-    print(f"\nfloat8 vs bf16 on {device} ({'native float8' if native else 'float8 EMULATED: no float8 matmul here'}), "
+    print(f"\nfloat8 vs bf16 on {hardware.name} ({'native float8' if native else 'float8 EMULATED: no float8 matmul here'}), "
           f"{args.steps} timed steps, {args.rounds} round(s); torch {torch.__version__}\n")
     head = (f"{'model':<6}{'mode':<10}{'variant':<16}{'linears':>8}{'tokens/s':>11}{'vs bf16':>9}{'vs fp32':>9}"
             f"{'ms/step':>9}{'peak MiB':>10}")
@@ -178,7 +182,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "  saving it. This table measures the emulation's cost and checks that float8 training runs;\n"
               "  the speedup needs an SM89+ GPU (H100/H200/Ada).")
     print("  peak MiB: device memory on CUDA; the process's peak resident set on CPU (includes torch itself).")
-    result = {"rows": rows, "settings": vars(args), "device": device, "native_float8": native, "wall_s": wall,
+    result = {"rows": rows, "settings": vars(args), "device": device, "device_name": hardware.name,
+              "native_float8": native, "wall_s": wall,
               "machine": machine()}
     write_json(result, args.out)
     print(f"({wall:.0f} s)")

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dream_trainer.callbacks._fp8 import Float8Hardware, float8_hardware, other_matmul_modules, summary, torchao_config
 from dream_trainer.callbacks.base import Callback
 from dream_trainer.trainer.dream import DreamTrainer
 
@@ -44,8 +45,12 @@ class Fp8Quantization(Callback[DreamTrainer]):
     casts cost more than they save). It is combined (all must agree) with `module_filter_fn`
     and, per model, with the trainer's ``quantize_module_filters()`` if it has one
     (``{model name: filter(module, fqn) -> bool}``; a filter's ``validate()`` is called after
-    the conversion). The converted and skipped layers are logged and kept in
-    ``self.converted`` / ``self.skipped``.
+    the conversion). Only ``nn.Linear`` layers convert: other modules with a 2-D weight
+    (GPT-2's ``Conv1D``) are listed as skipped, and a model with no layer converted is said to
+    have "0 layers converted" and why, is not in ``trainer.float8`` and trains in high
+    precision. The converted and skipped layers are kept in ``self.converted`` /
+    ``self.skipped``; a summary per model is logged and, on rank 0, printed (`display`;
+    a warning when nothing converted), so it shows without any logging set up.
 
     With FSDP2 (``dp_shard > 1``) and the tensorwise recipe, weights are all-gathered in
     float8 and their scales are precomputed for the next step after every optimizer step
@@ -53,8 +58,11 @@ class Fp8Quantization(Callback[DreamTrainer]):
     ``trainer.float8`` tells which models are float8 and how (``{model: recipe}``), so an
     ``apply_tensor_parallel`` can use torchao's float8 TP styles.
 
-    Without native float8 (CPUs, GPUs before compute capability 8.9) torchao emulates the
-    float8 matmuls: it works, slower, and says so once. Converted models checkpoint and
+    Float8 matmuls are native on NVIDIA GPUs of compute capability 8.9+ and AMD MI300/MI350.
+    Elsewhere (CPUs, older GPUs) the callback sets torchao's emulation (``emulate=True``:
+    float8 casts and scales, float32 matmuls): it trains, slower, and says so once. Other
+    devices (``mps``) are refused when the models are configured. ``self.hardware`` holds the
+    decision (`Float8Hardware`). Converted models checkpoint and
     resume like any other (the weights stay in high precision); ``export_model`` writes them
     as a plain ``state_dict`` that loads into the unconverted model.
 
@@ -71,6 +79,7 @@ class Fp8Quantization(Callback[DreamTrainer]):
         enabled: bool = True,
         min_elements: int = 4096,
         fsdp_float8_all_gather: bool = True,
+        display: bool = True,
         **legacy: Any,
     ):
         delayed = sorted(set(legacy) & set(_DELAYED))
@@ -81,8 +90,9 @@ class Fp8Quantization(Callback[DreamTrainer]):
             )
         if legacy:
             raise TypeError(f"Fp8Quantization got unexpected argument(s) {sorted(legacy)}")
-        if not isinstance(enabled, bool):
-            raise TypeError(f"Fp8Quantization(enabled={enabled!r}): expected True or False")
+        for flag, value in (("enabled", enabled), ("display", display)):
+            if not isinstance(value, bool):
+                raise TypeError(f"Fp8Quantization({flag}={value!r}): expected True or False")
         if isinstance(model_to_recipe, dict):
             self.model_to_recipe: dict[str, str] | None = dict(model_to_recipe)
             self.default_recipe = "tensorwise"
@@ -97,7 +107,8 @@ class Fp8Quantization(Callback[DreamTrainer]):
             if recipe not in RECIPES:
                 raise ValueError(f"Fp8Quantization: recipe {recipe!r} is not one of {list(RECIPES)}")
         self.module_filter_fn, self.enabled, self.min_elements = module_filter_fn, enabled, min_elements
-        self.fsdp_float8_all_gather = fsdp_float8_all_gather
+        self.fsdp_float8_all_gather, self.display = fsdp_float8_all_gather, display
+        self.hardware: Float8Hardware | None = None
         self.converted: dict[str, list[str]] = {}
         self.skipped: dict[str, dict[str, str]] = {}
         self._precompute: list[nn.Module] = []
@@ -111,54 +122,61 @@ class Fp8Quantization(Callback[DreamTrainer]):
         unknown = sorted(set(recipes) - set(models))
         if unknown:
             raise KeyError(f"Fp8Quantization: no model named {unknown}; the trainer has {sorted(models)}")
-        _quiet_torchao()
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
         trainer = self.trainer
+        self.hardware = float8_hardware(trainer.world.device)  # refuses a device torchao's float8 cannot run on
+        _quiet_torchao()
         trainer_filters = trainer.quantize_module_filters() if callable(getattr(trainer, "quantize_module_filters", None)) else {}
-        sharded = trainer.world.plan.dp_shard > 1
         for name, recipe in recipes.items():
-            model = models[name]
-            head = _output_head(model)
-            skipped: dict[str, str] = {}
             filters = [f for f in (self.module_filter_fn, trainer_filters.get(name)) if f is not None]
+            self._convert(name, recipe, models[name], filters, self.hardware)
+        if not self.hardware.native and any(self.converted.values()) and trainer.world.is_rank_zero:
+            logger.warning(
+                "Fp8Quantization: %s has no float8 matmul, so torchao emulates it (Float8LinearConfig(emulate=True)): "
+                "the converted layers round their matmul inputs to float8 with the recipe's scales, as float8 hardware "
+                "does, and multiply in float32. It trains with float8 numerics but slower than without float8; the "
+                "speedup needs an NVIDIA GPU of compute capability 8.9+ (Ada, H100, H200, B200) or an AMD MI300/MI350",
+                self.hardware.name,
+            )
 
-            def keep(module: nn.Module, fqn: str, head: str | None = head, skipped: dict[str, str] = skipped,
-                     filters: list[ModuleFilter] = filters) -> bool:
-                if not isinstance(module, nn.Linear):
-                    return False
-                reason = self._default_reason(module, fqn, head)
-                if reason is None and not all(f(module, fqn) for f in filters):
-                    reason = "excluded by a filter"
-                if reason is not None:
-                    skipped[fqn] = reason
-                return reason is None
+    def _convert(self, name: str, recipe: str, model: nn.Module, filters: list[ModuleFilter],
+                 hardware: Float8Hardware) -> None:
+        """Convert one model, record what was and was not converted, and report it."""
+        from torchao.float8 import convert_to_float8_training
+        from torchao.float8.float8_linear import Float8Linear
 
-            config = Float8LinearConfig.from_recipe_name(recipe)
-            all_gather = sharded and recipe == "tensorwise" and self.fsdp_float8_all_gather
-            if all_gather:
-                config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
-            converted = convert_to_float8_training(model, module_filter_fn=keep, config=config)
-            if converted is not model:
-                setattr(trainer, name, converted)
-            for f in filters:
-                if callable(getattr(f, "validate", None)):
-                    f.validate()  # type: ignore[union-attr]
-            from torchao.float8.float8_linear import Float8Linear
+        trainer, head = self.trainer, _output_head(model)
+        skipped: dict[str, str] = {}
 
-            self.converted[name] = [fqn for fqn, m in converted.named_modules() if isinstance(m, Float8Linear)]
-            self.skipped[name] = skipped
+        def keep(module: nn.Module, fqn: str) -> bool:
+            if not isinstance(module, nn.Linear):
+                return False
+            reason = self._default_reason(module, fqn, head)
+            if reason is None and not all(f(module, fqn) for f in filters):
+                reason = "excluded by a filter"
+            if reason is not None:
+                skipped[fqn] = reason
+            return reason is None
+
+        n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
+        all_gather = trainer.world.plan.dp_shard > 1 and recipe == "tensorwise" and self.fsdp_float8_all_gather
+        config = torchao_config(recipe, emulate=not hardware.native, fsdp_float8_all_gather=all_gather)
+        converted = convert_to_float8_training(model, module_filter_fn=keep, config=config)
+        if converted is not model:
+            setattr(trainer, name, converted)
+        for f in filters:
+            if callable(getattr(f, "validate", None)):
+                f.validate()  # type: ignore[union-attr]
+        for fqn, kind in other_matmul_modules(converted).items():
+            skipped[fqn] = f"{kind}, not an nn.Linear: torchao converts only nn.Linear"
+        self.converted[name] = [fqn for fqn, m in converted.named_modules() if isinstance(m, Float8Linear)]
+        self.skipped[name] = skipped
+        if self.converted[name]:  # only a model with float8 layers is float8 (TP styles, scale precompute)
             trainer.float8[name] = recipe
             if all_gather:
                 self._precompute.append(converted)
-            logger.info(
-                "float8 (%s%s) %s: converted %d Linear layer(s) %s; skipped %s", recipe,
-                ", float8 all-gather" if all_gather else "", name, len(self.converted[name]), self.converted[name],
-                {k: v for k, v in skipped.items()} or "none",
-            )
-            if not self.converted[name]:
-                logger.warning("Fp8Quantization: no Linear layer of %r was converted (see the skipped list)", name)
-        self._warn_if_emulated()
+        how = ("native float8 matmuls" if hardware.native else "float8 matmuls emulated") + (
+            ", float8 all-gather" if all_gather else "")
+        self._report(summary(name, recipe, self.converted[name], skipped, n_linear, how), bool(self.converted[name]))
 
     def _default_reason(self, module: nn.Linear, fqn: str, head: str | None) -> str | None:
         if module.in_features % 16 or module.out_features % 16:
@@ -176,15 +194,13 @@ class Fp8Quantization(Callback[DreamTrainer]):
             for converted in self._precompute:
                 precompute_float8_dynamic_scale_for_fsdp(converted)  # one all-reduce of the amaxes
 
-    def _warn_if_emulated(self) -> None:
-        device = self.trainer.world.device
-        native = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-        if not native:
-            where = "this CPU" if device.type == "cpu" else f"{torch.cuda.get_device_name(device)} (before SM89)"
-            logger.warning(
-                "Fp8Quantization: %s has no native float8 matmul; torchao emulates it. Training runs and is "
-                "numerically float8, but without float8's speedup (that needs an H100/H200/Ada-class GPU)", where
-            )
+    def _report(self, text: str, converted: bool) -> None:
+        """A model's summary: logged (INFO) and, on rank 0, shown without any logging set up:
+        printed with `display`, or a warning when no layer was converted."""
+        rank_zero = self.trainer.world.is_rank_zero
+        logger.log(logging.WARNING if rank_zero and not converted else logging.INFO, "%s", text)
+        if converted and self.display and rank_zero:
+            print(text, flush=True)
 
 
 def _output_head(model: nn.Module) -> str | None:

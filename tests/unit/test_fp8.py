@@ -1,7 +1,14 @@
 """Fp8Quantization in one process: which layers convert (default filter, the user's and the
-trainer's), bad arguments, a float8 model through a checkpoint round trip and export."""
+trainer's), which hardware multiplies in float8 and what torchao is told where it does not,
+a model with nothing to convert, the summary a user sees, bad arguments, a float8 model
+through a checkpoint round trip and export."""
 
 import logging
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +23,8 @@ from dream_trainer import (
     export_model,
 )
 from dream_trainer.callbacks import Fp8Quantization
+from dream_trainer.callbacks import fp8 as fp8_module
+from dream_trainer.callbacks.fp8 import Float8Hardware, float8_hardware
 from dream_trainer.testing import ToyTrainer
 
 pytest.importorskip("torchao")
@@ -66,6 +75,45 @@ class Float8Toy(ToyTrainer):
         return {"model": self.filter}
 
 
+class Conv1D(nn.Module):
+    """GPT-2's linear layer (``transformers.pytorch_utils.Conv1D``): ``x @ weight + bias``,
+    the weight stored (in, out). Not an ``nn.Linear``: torchao does not convert it."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.empty(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).reshape(*x.shape[:-1], self.nf)
+
+
+class Gpt2Mlp(nn.Module):
+    """GPT-2's MLP (``c_fc``, ``c_proj``: Conv1D of float8-friendly sizes), one output."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        self.c_fc, self.c_proj = Conv1D(4 * width, width), Conv1D(width, 4 * width)
+
+    def forward(self, x):
+        return self.c_proj(torch.tanh(self.c_fc(x))).mean(dim=-1, keepdim=True)
+
+
+class Gpt2Toy(ToyTrainer):
+    def __init__(self, cfg, **kwargs):
+        super().__init__(cfg, in_features=64, **kwargs)
+
+    def configure_models(self):
+        self.model = Gpt2Mlp()
+
+
+def float8_layers(model):
+    from torchao.float8.float8_linear import Float8Linear
+
+    return [m for m in model.modules() if isinstance(m, Float8Linear)]
+
+
 def config(callbacks, root=None, **training):
     params = dict(n_epochs=1, num_sanity_val_steps=0)
     params.update(training)
@@ -87,17 +135,133 @@ def test_conversion_and_filters(caplog):
         "tiny": "tiny (256 < 4096 weights)", "head": "the output head",
     }
     assert trainer.filter.validated and trainer.float8 == {"model": "tensorwise"}
-    assert "converted 1 Linear layer(s) ['stem']" in caplog.text and "emulates it" in caplog.text
+    assert ("model: 1 of 7 nn.Linear layer(s) converted to float8 (tensorwise, float8 matmuls emulated): stem; "
+            "skipped: mid, extra (excluded by a filter); odd (dimensions 128x100") in caplog.text
     assert trainer.global_step == 3 and all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
-def test_disabled_and_bad_arguments():
-    trainer = Float8Toy(config([Fp8Quantization(enabled=True)], max_steps=1, n_epochs=None))  # dream-trainer's spelling
+def test_without_float8_matmuls_torchao_is_told_to_emulate(caplog, monkeypatch):
+    """This CPU has no float8 matmul: the config torchao gets says emulate=True, and the
+    warning says so. Where the hardware has them (an H100: the decision mocked, the
+    machine lacks one), torchao multiplies in float8 (on a CPU: torch._scaled_mm's CPU
+    kernel) and nothing warns."""
+    fp8 = Fp8Quantization("rowwise")
+    with caplog.at_level(logging.INFO):
+        trainer = Float8Toy(config([fp8], max_steps=2, n_epochs=None))
+        trainer.fit()
+    layers = float8_layers(trainer.model)
+    assert fp8.hardware == Float8Hardware(False, "this CPU") and len(layers) == 2  # stem and mid
+    for layer in layers:
+        mm = layer.linear_mm_config
+        assert layer.config.emulate and mm.output.emulate and mm.grad_input.emulate and mm.grad_weight.emulate
+        assert layer.config.round_scales_to_power_of_2  # still the rowwise recipe
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith("Fp8Quantization: this CPU has no float8 matmul, so torchao emulates it "
+                              "(Float8LinearConfig(emulate=True))")
+
+    caplog.clear()
+    monkeypatch.setattr(fp8_module, "float8_hardware", lambda device: Float8Hardware(True, "NVIDIA H100"))
+    fp8 = Fp8Quantization("rowwise")
+    with caplog.at_level(logging.INFO):
+        trainer = Float8Toy(config([fp8], max_steps=2, n_epochs=None))
+        trainer.fit()
+    layers = float8_layers(trainer.model)
+    assert len(layers) == 2 and not any(m.config.emulate or m.linear_mm_config.output.emulate for m in layers)
+    assert "(rowwise, native float8 matmuls)" in caplog.text and "emulate" not in caplog.text
+    assert trainer.global_step == 2 and all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+@pytest.mark.parametrize(("capability", "native"), [
+    ((7, 5), False), ((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True), ((10, 0), True),
+])
+def test_which_nvidia_gpus_have_float8_matmuls(monkeypatch, capability, native):
+    """Compute capability 8.9 (Ada) and later: native; A100 (8.0), A10 (8.6), T4 (7.5):
+    emulated. Mocked: this machine has no GPU."""
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU")
+    name = f"GPU (compute capability {capability[0]}.{capability[1]})"
+    assert float8_hardware(torch.device("cuda", 0)) == Float8Hardware(native, name)
+
+
+@pytest.mark.parametrize(("arch", "native"), [("gfx942:sramecc+:xnack-", True), ("gfx950", True), ("gfx90a", False)])
+def test_which_amd_gpus_have_float8_matmuls(monkeypatch, arch, native):
+    """MI300 (gfx942) and MI350 (gfx950): native; MI250 (gfx90a): emulated. Mocked: a ROCm
+    build with a GPU, which this machine is not."""
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "AMD Instinct")
+    properties = types.SimpleNamespace(gcnArchName=arch)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: properties)
+    assert float8_hardware("cuda") == Float8Hardware(native, f"AMD Instinct ({arch})")
+
+
+def test_other_devices_are_refused():
+    assert float8_hardware("cpu") == Float8Hardware(False, "this CPU")
+    with pytest.raises(ValueError, match=r"float8 training on device 'mps' is not supported: torchao's float8 runs on "
+                                         r"NVIDIA GPUs \(native from compute capability 8.9, emulated before\)"):
+        float8_hardware("mps")
+
+
+def test_a_model_without_nn_linear_layers_converts_nothing_and_says_why(caplog):
+    """GPT-2's Conv1D layers are not nn.Linear: "0 layers converted", why, no float8 claimed."""
+    fp8 = Fp8Quantization()
+    with caplog.at_level(logging.INFO):
+        trainer = Gpt2Toy(config([fp8], max_steps=2, n_epochs=None))
+        trainer.fit()
+    assert fp8.converted == {"model": []} and trainer.float8 == {} and not float8_layers(trainer.model)
+    why = "Conv1D, not an nn.Linear: torchao converts only nn.Linear"
+    assert fp8.skipped == {"model": {"c_fc": why, "c_proj": why}}
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warning == (f"Fp8Quantization: model: 0 layers converted to float8: it has no nn.Linear layers; "
+                       f"not converted: c_fc, c_proj ({why}). It trains in high precision, as without Fp8Quantization")
+    assert "emulate" not in caplog.text and "float8 numerics" not in caplog.text  # nothing in float8 to emulate
+
+    caplog.clear()
+    fp8 = Fp8Quantization()
+    with caplog.at_level(logging.INFO):
+        plain = ToyTrainer(config([fp8], max_steps=1, n_epochs=None))  # Linear(8, 16), Linear(16, 1): both skipped
+        plain.fit()
+    assert fp8.converted == {"model": []} and plain.float8 == {}
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warning.startswith("Fp8Quantization: model: 0 layers converted to float8: its 2 nn.Linear layer(s) were all "
+                              "skipped; not converted: 0 (dimensions 8x16 are not multiples of 16); 2 (dimensions 16x1")
+
+
+SEEN_WITHOUT_LOGGING = """
+from dream_trainer.callbacks import Fp8Quantization
+from tests.unit.test_fp8 import Float8Toy, Gpt2Toy, config
+
+for trainer in (Float8Toy, Gpt2Toy):
+    trainer(config([Fp8Quantization()], max_steps=1, n_epochs=None)).fit()
+"""
+
+
+def test_the_summary_shows_without_logging_configured(tmp_path):
+    """A script that sets up no logging (Python's default: warnings to stderr, nothing else)
+    shows what was converted (stdout) and what was not, and the emulation (stderr)."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}  # tiny models: one thread is fastest, the more so on a busy machine
+    run = subprocess.run([sys.executable, "-c", SEEN_WITHOUT_LOGGING], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, check=False)
+    assert run.returncode == 0, run.stderr
+    assert ("Fp8Quantization: model: 2 of 7 nn.Linear layer(s) converted to float8 (tensorwise, float8 matmuls "
+            "emulated): stem, mid; skipped: extra (excluded by a filter); odd (dimensions 128x100") in run.stdout
+    assert "this CPU has no float8 matmul, so torchao emulates it" in run.stderr
+    assert ("Fp8Quantization: model: 0 layers converted to float8: it has no nn.Linear layers; not converted: c_fc, "
+            "c_proj (Conv1D, not an nn.Linear") in run.stderr
+
+
+def test_disabled_and_bad_arguments(capsys):
+    fp8 = Fp8Quantization(enabled=True, display=False)  # dream-trainer's spelling; display=False: nothing printed
+    trainer = Float8Toy(config([fp8], max_steps=1, n_epochs=None))
     trainer.fit()
-    assert trainer.float8 == {"model": "tensorwise"}
+    assert trainer.float8 == {"model": "tensorwise"} and "Fp8Quantization" not in capsys.readouterr().out
     off = Float8Toy(config([Fp8Quantization(enabled=False)], max_steps=1, n_epochs=None))
     off.fit()
     assert off.float8 == {} and type(off.model.stem) is nn.Linear
+    with pytest.raises(TypeError, match=r"Fp8Quantization\(display='no'\): expected True or False"):
+        Fp8Quantization(display="no")
     with pytest.raises(ValueError, match=r"recipe 'delayed' is not one of \['tensorwise', 'rowwise', 'rowwise_with_gw_hp'\]"):
         Fp8Quantization({"model": "delayed"})
     with pytest.raises(TypeError, match=r"amax_history_len=.*delayed scaling was removed from torchao; use the dynamic 'tensorwise'"):
