@@ -62,6 +62,15 @@ def _shutdown_sockets(inodes: set[str]) -> int:
     return released
 
 
+def _gradient_kind(grad: torch.Tensor) -> tuple[Any, ...]:
+    """``(is plain, ...)``: what a gradient can be grouped with in one foreach kernel."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(grad, DTensor):
+        return (False, grad.device_mesh, grad.placements)
+    return (True, grad.device, grad.dtype, type(grad))
+
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     if value is None or value == "":
@@ -96,6 +105,7 @@ class DistributedWorld:
         self._dp: tuple[int, int] | None = None  # (rank, size) on the launched mesh
         self._sockets: set[str] = set()  # socket inodes of this world's process groups
         self._timeout = timedelta(seconds=self.device_parameters.init_timeout_s)
+        self._grad_kinds: dict[int, tuple[Any, ...]] = {}  # id(parameter) -> its gradients' kind
 
     # ------------------------------------------------------------------ launch
     def _resolve_device(self) -> torch.device:
@@ -318,19 +328,19 @@ class DistributedWorld:
         return all(v == values[0] for v in values[1:])
 
     # ------------------------------------------------------------------ gradients
-    @staticmethod
-    def _gradient_groups(parameters: Iterable[torch.nn.Parameter]) -> list[list[torch.Tensor]]:
+    def _gradient_groups(self, parameters: Iterable[torch.nn.Parameter]) -> list[list[torch.Tensor]]:
         """Gradients grouped so each group is one kind: plain tensors, or DTensors of one
-        mesh and placement (foreach kernels cannot mix them)."""
-        from torch.distributed.tensor import DTensor
-
+        mesh and placement (foreach kernels cannot mix them). A parameter's kind is worked
+        out from its first gradient and remembered (this runs every step on the norm path)."""
         groups: dict[Any, list[torch.Tensor]] = {}
+        kinds = self._grad_kinds
         for p in parameters:
             g = p.grad
             if g is None:
                 continue
-            plain = type(g) is torch.Tensor  # the common case, without the slower isinstance
-            key = (g.device_mesh, g.placements) if not plain and isinstance(g, DTensor) else (g.device, g.dtype)
+            key = kinds.get(id(p))
+            if key is None or (key[2] != g.placements if not key[0] else type(g) is not key[3]):
+                key = kinds[id(p)] = _gradient_kind(g)
             groups.setdefault(key, []).append(g)
         return list(groups.values())
 

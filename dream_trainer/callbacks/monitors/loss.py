@@ -40,7 +40,8 @@ class LossMonitorCallback(Monitor):
         self.spike_threshold, self.min_history, self.on_spike = spike_threshold, min_history, on_spike
         self.vetoes_steps = on_spike == "skip"  # the ranks agree on every step only then
         self.critical = on_spike != "warn"  # a policy the user chose is enforced, not swallowed
-        self.window = DeviceWindow(history_size)
+        # The step's loss is a fresh tensor nobody writes to afterwards: kept as it is (no device op).
+        self.window = DeviceWindow(history_size, keep=True)
         self.spikes: list[tuple[int, float, float]] = []  # (step, loss, limit), found on log steps
         self.skipped = 0
         self._checked_until = 0
@@ -70,7 +71,7 @@ class LossMonitorCallback(Monitor):
         loss = trainer.step_stats.loss
         if loss is None:
             return
-        self.window.push(loss, trainer.global_step)  # one device copy
+        self.window.push(loss, trainer.global_step)  # a reference: no device op
         if trainer.global_step % self.log_interval == 0:
             self._log()
 

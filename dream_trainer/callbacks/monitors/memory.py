@@ -107,9 +107,9 @@ class MemoryMonitorCallback(Monitor):
         self._epoch = {"start": self.current_mb(), "peak": self.current_mb()}
 
     def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
-        if not self.step_done():
-            return
         step = self.trainer.global_step
+        if (step % self.sample_every and step % self.log_interval) or not self.step_done():
+            return  # the common case, first: nothing to do on this step
         if step % self.sample_every == 0 or self.due():
             now = self.current_mb()
             self._epoch["peak"] = max(self._epoch.get("peak", now), now)
