@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from dream_trainer.callbacks.checkpoint import CheckpointCallback
     from dream_trainer.callbacks.compile_monitor import CompileMonitor
     from dream_trainer.callbacks.fault_tolerance import FaultToleranceCallback
-    from dream_trainer.callbacks.fp8 import Fp8Quantization
+    from dream_trainer.callbacks.fp8 import Float8Hardware, Fp8Quantization, float8_hardware
     from dream_trainer.callbacks.graph_breaks import FindGraphBreaksCallback
     from dream_trainer.callbacks.logger import LoggerCallback
     from dream_trainer.callbacks.optimize_fsdp import OptimizeFSDP
@@ -50,6 +50,8 @@ _SHIPPED = {
     "FaultToleranceCallback": "dream_trainer.callbacks.fault_tolerance",
     "FindGraphBreaksCallback": "dream_trainer.callbacks.graph_breaks",
     "Fp8Quantization": "dream_trainer.callbacks.fp8",
+    "Float8Hardware": "dream_trainer.callbacks.fp8",
+    "float8_hardware": "dream_trainer.callbacks.fp8",
     "LoggerCallback": "dream_trainer.callbacks.logger",
     "OptimizeFSDP": "dream_trainer.callbacks.optimize_fsdp",
     "PerformanceReport": "dream_trainer.callbacks.performance",
@@ -68,6 +70,7 @@ __all__ = [
     "CompileMonitor",
     "FaultToleranceCallback",
     "FindGraphBreaksCallback",
+    "Float8Hardware",
     "Fp8Quantization",
     "GradientMonitorCallback",
     "LoggerCallback",
@@ -82,6 +85,7 @@ __all__ = [
     "StopTraining",
     "ThroughputMonitorCallback",
     "TrainingDashboardCallback",
+    "float8_hardware",
     "health_callbacks",
 ]
 

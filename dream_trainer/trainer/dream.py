@@ -161,21 +161,7 @@ class DreamTrainer(BaseTrainer):
     def configure(self) -> None:
         world = self.world  # the config's, or one a callback set in pre_launch
         params, plan = world.device_parameters, world.plan
-        # Fail before building anything when a needed hook is missing.
-        if plan.tp > 1:
-            self._require("apply_tensor_parallel", f"DeviceParameters.tensor_parallel={plan.tp}")
-        if params.checkpoint_activations:
-            self._require("apply_activation_checkpointing", "DeviceParameters.checkpoint_activations=True")
-        if params.compile_model:
-            self._require("apply_compile", "DeviceParameters.compile_model=True")
-        if plan.dp_shard > 1:
-            self._require("apply_fully_shard", f"DeviceParameters.dp_shard={plan.dp_shard}")
-        if params.weight_init == "sharded" and world.device.type == "cpu" and (plan.dp_shard > 1 or plan.tp > 1):
-            raise ValueError(
-                "DeviceParameters.weight_init='sharded' needs DTensor's RNG tracker, which CPU meshes do not have: "
-                "every shard would draw the same numbers. Use weight_init='full' (the default) on "
-                f"{world.device}"
-            )
+        self._check_configuration()  # before anything is built
 
         with torch.device("meta"):
             self.configure_models()
@@ -212,6 +198,26 @@ class DreamTrainer(BaseTrainer):
                     f"or None, got {type(loaders).__name__}"
                 )
             self.train_dataloader, self.val_dataloader = loaders
+
+    def _check_configuration(self) -> None:
+        """Fail before building anything: a hook the configuration needs is missing, or
+        a setting this device cannot honor."""
+        world = self.world
+        params, plan = world.device_parameters, world.plan
+        if plan.tp > 1:
+            self._require("apply_tensor_parallel", f"DeviceParameters.tensor_parallel={plan.tp}")
+        if params.checkpoint_activations:
+            self._require("apply_activation_checkpointing", "DeviceParameters.checkpoint_activations=True")
+        if params.compile_model:
+            self._require("apply_compile", "DeviceParameters.compile_model=True")
+        if plan.dp_shard > 1:
+            self._require("apply_fully_shard", f"DeviceParameters.dp_shard={plan.dp_shard}")
+        if params.weight_init == "sharded" and world.device.type == "cpu" and (plan.dp_shard > 1 or plan.tp > 1):
+            raise ValueError(
+                "DeviceParameters.weight_init='sharded' needs DTensor's RNG tracker, which CPU meshes do not have: "
+                "every shard would draw the same numbers. Use weight_init='full' (the default) on "
+                f"{world.device}"
+            )
 
     def _record_compiled(self) -> None:
         from torch._dynamo.eval_frame import OptimizedModule

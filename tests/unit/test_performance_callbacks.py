@@ -200,7 +200,8 @@ def test_compile_monitor_counts_compiles_and_recompiles_per_region(caplog):
 
 # -------------------------------------------------------------------- PerformanceReport
 class Loaders(ToyTrainer):
-    """Pre-made batches (a fast loader), or each batch 20 ms late (a slow one)."""
+    """Pre-made batches (a fast loader), or each batch late by 20 ms or three times the
+    last step's compute, whichever is longer (a slow one, also on a busy machine)."""
 
     def __init__(self, cfg, slow):
         super().__init__(cfg, in_features=64, hidden=512, batch_size=64, n_samples=64 * 24)
@@ -212,10 +213,12 @@ class Loaders(ToyTrainer):
         if not self.slow:
             return batches, None
 
+        stats = self.step_stats
+
         class Slow:
             def __iter__(self):
                 for batch in batches:
-                    time.sleep(0.02)
+                    time.sleep(max(0.02, 3 * stats.compute_s))  # the step just measured
                     yield batch
 
             def __len__(self):
