@@ -22,6 +22,7 @@ from dream_trainer.configs import (
     TrainerConfig,
     TrainingParameters,
 )
+from dream_trainer.serialization import UnsafeStateError, allow_types
 from dream_trainer.launch import LaunchExit, LaunchResult, RunIdentity, entrypoint
 from dream_trainer.trainer import (
     EXIT_FAILED,
@@ -80,6 +81,8 @@ __all__ = [
     "TrainerConfig",
     "TrainingInterrupted",
     "TrainingParameters",
+    "UnsafeStateError",
+    "allow_types",
     "entrypoint",
     "export_model",
     "list_checkpoints",

@@ -11,7 +11,10 @@ directory to its final name. The rename is the commit: a checkpoint is either co
 or invisible.
 
 `export_model` turns one model of a checkpoint into a plain ``state_dict`` file
-(safetensors or ``torch.save``) for inference, loadable without dream_trainer.
+(safetensors) for inference, loadable without dream_trainer.
+
+Everything read back is loaded with a restricted deserializer (`dream_trainer.serialization`):
+a checkpoint is data and never runs code.
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 META_FILE = "dream_trainer.json"
+FORMAT = 2
+"""The checkpoint format ``dream_trainer.json`` records: 2 stores per-rank state in the
+restricted format of `dream_trainer.serialization`; checkpoints of dream_trainer 0.1 (no
+``format``: pickled per-rank state) are refused on resume and converted once with
+`dream_trainer.migrate`."""
 STAGING_PREFIX = ".staging-"
 _NAME = re.compile(r"^step_(\d+)$")
 _RANK_KEYS = "ranks."  # per-rank entries: present only for the ranks that wrote them
@@ -79,25 +87,43 @@ def staging_dir(root: Path, step: int) -> Path:
     return root / f"{STAGING_PREFIX}{checkpoint_name(step)}"
 
 
-def read_info(path: Path) -> CheckpointInfo | None:
-    """The checkpoint at `path`, or None when it is not a complete checkpoint."""
+def read_info(path: Path, root: Path | None = None) -> CheckpointInfo | None:
+    """The checkpoint at `path`, or None when it is not a complete checkpoint. What is read
+    back is checked: the directory must lie inside `root` (when given; a symlink out of it
+    is refused), and ``dream_trainer.json`` must name the step of the directory's name, with
+    plain values (a damaged or crafted file is skipped with a warning)."""
     match = _NAME.match(path.name)
     meta_file = path / META_FILE
     if not (match and path.is_dir() and meta_file.is_file() and (path / ".metadata").is_file()):
         return None
+    if root is not None and not _inside(path, root):
+        logger.warning("skipping %s: it resolves to %s, outside the checkpoint root %s", path, path.resolve(), root)
+        return None
     try:
         meta = json.loads(meta_file.read_text())
-    except (OSError, ValueError):
+        step, epoch, score, monitor = meta["step"], meta["epoch"], meta.get("score"), meta.get("monitor")
+        valid = (type(step) is int and step == int(match.group(1)) and type(epoch) is int
+                 and (score is None or type(score) in (int, float)) and (monitor is None or type(monitor) is str))
+    except (OSError, ValueError, KeyError, TypeError):
+        valid = False
+    if not valid:
+        logger.warning("skipping %s: its %s is damaged or does not match the directory name", path, META_FILE)
         return None
-    return CheckpointInfo(path, int(meta["step"]), int(meta["epoch"]), meta.get("score"), meta.get("monitor"))
+    return CheckpointInfo(path, step, epoch, None if score is None else float(score), monitor)
+
+
+def _inside(path: Path, root: Path) -> bool:
+    """Whether `path` (symlinks resolved) lies inside `root`."""
+    return path.resolve().is_relative_to(root.resolve())
 
 
 def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
-    """Complete checkpoints under `root`, oldest first (staging directories are skipped)."""
+    """Complete checkpoints under `root`, oldest first (staging directories are skipped,
+    and so is anything that resolves outside `root`)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [info for child in root.iterdir() if (info := read_info(child)) is not None]
+    found = [info for child in root.iterdir() if (info := read_info(child, root)) is not None]
     return sorted(found, key=lambda info: info.step)
 
 
@@ -125,7 +151,7 @@ def commit(staging: Path, meta: dict[str, Any]) -> Path:
     final = staging.with_name(staging.name[len(STAGING_PREFIX):])
     meta_file = staging / META_FILE
     with open(meta_file, "w") as handle:
-        json.dump(meta, handle)
+        json.dump({**meta, "format": FORMAT}, handle)
         handle.flush()
         os.fsync(handle.fileno())
     if final.exists():
@@ -175,7 +201,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _read_metadata(path: Path) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader
+    from dream_trainer.serialization import UnsafeStateError, safe_reader
 
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
@@ -184,7 +210,9 @@ def _read_metadata(path: Path) -> Any:
             f"{path} is not a complete checkpoint (no .metadata: the save did not finish or this is not a DCP directory)"
         )
     try:
-        return FileSystemReader(str(path)).read_metadata()
+        return safe_reader(str(path)).read_metadata()
+    except UnsafeStateError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any read/unpickling error means a damaged file
         raise CheckpointError(f"cannot read checkpoint {path}: {describe(exc)}") from exc
 
@@ -271,15 +299,46 @@ def match_template(path: Path, template: dict[str, Any], strict: bool) -> dict[s
 def load_checkpoint(path: str | os.PathLike[str], template: dict[str, Any], strict: bool = True, process_group: Any = None) -> dict[str, Any]:
     """Load the checkpoint at `path` into `template` (in place, DCP: any sharding) after
     `match_template`; returns the template."""
+    path = Path(path)
+    _check_format(path)
+    template = match_template(path, template, strict)
+    _dcp_load(template, path, process_group=process_group)
+    return template
+
+
+def _check_format(path: Path) -> None:
+    """Refuse, before any loading, a checkpoint of dream_trainer 0.1 (pickled per-rank state)."""
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except (OSError, ValueError):
+        return  # not written by dream_trainer's callback: loaded (restricted) as any DCP directory
+    if isinstance(meta, dict) and "format" not in meta:
+        from dream_trainer.serialization import UnsafeStateError
+
+        raise UnsafeStateError(
+            f"checkpoint {path} was written by dream_trainer 0.1, which pickled per-rank state (RNG, data position, "
+            "callback states); it is never unpickled, since a pickle can run code. If you trust it, convert it once "
+            f"(the original is kept beside it): python -m dream_trainer.migrate {path} --trust"
+        )
+
+
+def _dcp_load(template: dict[str, Any], path: Path, **kwargs: Any) -> None:
+    """``dcp.load`` with the restricted reader and planner (`dream_trainer.serialization`):
+    a refused value raises its `UnsafeStateError`; damaged files a `CheckpointError`."""
     import torch.distributed.checkpoint as dcp
 
-    path = Path(path)
-    template = match_template(path, template, strict)
+    from dream_trainer.serialization import UnsafeStateError, safe_planner, safe_reader, unsafe_cause
+
     try:
-        dcp.load(template, checkpoint_id=str(path), process_group=process_group)
-    except dcp_errors() as exc:  # truncated or damaged files
+        dcp.load(template, checkpoint_id=str(path), storage_reader=safe_reader(str(path)), planner=safe_planner(),
+                 **kwargs)
+    except dcp_errors() as exc:  # truncated or damaged files, or a refused value
+        cause = unsafe_cause(exc)
+        if isinstance(cause, UnsafeStateError):
+            raise UnsafeStateError(f"checkpoint {path}: {cause}") from None
+        if cause is not None:
+            raise CheckpointError(f"cannot load checkpoint {path}: {cause}") from None
         raise CheckpointError(f"cannot load checkpoint {path}: {describe(exc)}") from exc
-    return template
 
 
 def export_model(
@@ -289,16 +348,25 @@ def export_model(
     dtype: torch.dtype | None = None,
 ) -> Path:
     """Write model `model` of a checkpoint (written by any number of ranks, sharded or not)
-    as one plain ``state_dict`` file: safetensors when `output` ends in ``.safetensors``,
-    else ``torch.save``. Runs in one process, without a process group.
+    as one plain ``state_dict`` file in the safetensors format (`output` must end in
+    ``.safetensors``): a format that holds only tensors, so loading it can never run code
+    (a ``torch.save`` pickle could). Runs in one process, without a process group; needs
+    the ``safetensors`` package.
 
-    Load it with ``safetensors.torch.load_file`` or ``torch.load`` and
-    ``model.load_state_dict`` — dream_trainer is not needed.
+    Load it with ``safetensors.torch.load_file`` and ``model.load_state_dict`` —
+    dream_trainer is not needed.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path, output = Path(checkpoint), Path(output)
+    if output.suffix != ".safetensors":
+        raise ValueError(f"export_model(output={str(output)!r}): the exported model is written as safetensors only "
+                         "(a pickle can run code when loaded): give a path ending in '.safetensors'")
+    try:
+        from safetensors.torch import save_file
+    except ImportError as exc:
+        raise ImportError("export_model writes .safetensors and needs the safetensors package: pip install "
+                          "safetensors") from exc
     saved = _read_metadata(path).state_dict_metadata
     prefix = f"models.{model}."
     template = {
@@ -309,20 +377,11 @@ def export_model(
     if not template:
         models = sorted({k.split(".")[1] for k in saved if k.startswith("models.")})
         raise CheckpointError(f"checkpoint {path} has no model named {model!r}; it has: {models or 'none'}")
-    try:
-        with warnings.catch_warnings():  # "loading in a single process": intended here
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(template, checkpoint_id=str(path), no_dist=True)
-    except dcp_errors() as exc:
-        raise CheckpointError(f"cannot load checkpoint {path}: {describe(exc)}") from exc
+    with warnings.catch_warnings():  # "loading in a single process": intended here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        _dcp_load(template, path, no_dist=True)
     state = {key[len(prefix):]: (t.to(dtype) if dtype is not None and t.is_floating_point() else t) for key, t in template.items()}
     output.parent.mkdir(parents=True, exist_ok=True)
-    if output.suffix == ".safetensors":
-        try:
-            from safetensors.torch import save_file
-        except ImportError as exc:
-            raise ImportError("writing .safetensors needs the safetensors package: pip install safetensors") from exc
-        save_file({k: v.contiguous() for k, v in state.items()}, str(output))
-    else:
-        torch.save(state, output)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(output))
     return output
+

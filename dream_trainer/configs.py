@@ -45,6 +45,16 @@ def _seconds(owner: str, name: str, value: Any, *, allow_none: bool = False) -> 
         raise ValueError(f"{owner}.{name}={value!r} is invalid: expected a finite number > 0" + (" or None" if allow_none else ""))
 
 
+def check_name(what: str, value: Any) -> str:
+    """`value` if it is a valid directory name (experiment, run): non-empty, no path
+    separator, not ``.``/``..``, no NUL; else ValueError naming `what`. Used for names
+    from the config and for names read back (the environment, files)."""
+    if not isinstance(value, str) or not value or "/" in value or "\\" in value or "\0" in value or value in (".", ".."):
+        raise ValueError(f"{what}={value!r} is invalid: expected a non-empty name without '/', '\\' or NUL, "
+                         "not '.' or '..'")
+    return value
+
+
 def _path(owner: str, name: str, value: Any, *, allow_none: bool = False) -> str | None:
     """A path field as a ``str``; ``pathlib.Path`` (any ``os.PathLike``) is accepted."""
     if value is None and allow_none:
@@ -312,8 +322,9 @@ class FaultToleranceParameters:
         connect_timeout_s: limit for reaching the lighthouse and the peers; an unreachable
             lighthouse at start fails within it, before any model is built.
         hostname: the address peers use to reach this group (its manager, its heal server
-            and, for a one-process group, its store). None: this machine's hostname when it
-            resolves, else ``127.0.0.1`` when the lighthouse is on loopback (else an error).
+            and, for a one-process group, its store); those servers listen on this address
+            only, not on every interface. None: ``127.0.0.1`` when the lighthouse is on
+            loopback, else this machine's hostname (an error when it does not resolve).
         init_sync: at step 0, every group but one heals from that one (identical start even
             if the groups' initializations differ). False: trust identical seeding.
     """
@@ -380,8 +391,7 @@ class TrainerConfig:
             value = getattr(self, name)
             if value is None and name == "run_name":
                 continue
-            if not isinstance(value, str) or not value or "/" in value or value in (".", ".."):
-                raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: expected a non-empty name without '/'")
+            check_name(f"TrainerConfig.{name}", value)
         self.root_dir = _path("TrainerConfig", "root_dir", self.root_dir)  # type: ignore[assignment]
         seed = self.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):

@@ -25,7 +25,8 @@ from torch.utils.data import Sampler
 
 from dream_trainer.world.fault_tolerant import LIGHTHOUSES, FaultToleranceError, FaultTolerantWorld, quiet_torchft
 
-__all__ = ["FaultTolerantSampler", "Lighthouse", "check_progress", "group_roots", "run_history", "step_units"]
+__all__ = ["FaultTolerantSampler", "Lighthouse", "check_progress", "confined", "group_roots", "run_history",
+           "step_units"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,25 +81,45 @@ class Lighthouse:
         self.shutdown()
 
 
+def confined(path: Path, base: Path, what: str) -> Path:
+    """`path`, found on disk below `base`, when it resolves inside `base` (the directory the
+    run is configured with); `FaultToleranceError` when it leads out of it (a symlink, a
+    ``..``): a group reads only its run's own files."""
+    resolved, inside = Path(path).resolve(), Path(base).resolve()
+    if resolved != inside and inside not in resolved.parents:
+        raise FaultToleranceError(
+            f"{what} {path} resolves to {resolved}, outside {inside}, the directory this run is configured with: "
+            "refused (a replica group reads only its own run's files). Remove the link, or give the run a root_dir "
+            "that holds its files"
+        )
+    return Path(path)
+
+
 def group_roots(root: Path, group_id: int) -> list[Path]:
     """The checkpoint roots of every replica group of the run that this machine sees:
     `root` with its ``replica_group_<group_id>`` part replaced by each group's (only
-    `root` when it has no such part)."""
+    `root` when it has no such part). A group directory or root that leads out of the
+    directory holding them is refused (`confined`)."""
     name, parts = f"replica_group_{group_id}", Path(root).parts
     if name not in parts:
         return [Path(root)]
     i = len(parts) - 1 - parts[::-1].index(name)
-    groups = [d for d in Path(*parts[:i]).glob("replica_group_*") if re.fullmatch(r"replica_group_\d+", d.name)]
-    return [Path(d, *parts[i + 1:]) for d in sorted(groups)]
+    base = Path(*parts[:i])
+    groups = [confined(d, base, "replica group directory") for d in base.glob("replica_group_*")
+              if re.fullmatch(r"replica_group_\d+", d.name)]
+    roots = [Path(d, *parts[i + 1:]) for d in sorted(groups)]
+    return [confined(r, base, "checkpoint root") if r.exists() else r for r in roots]
 
 
 def run_history(run_dir: Path) -> tuple[int, int | None, str]:
     """What the groups' ``fault_tolerance.jsonl`` under `run_dir` say about the run:
     ``(committed, finished, where)``: the most steps committed in any of them, the step
     at which a group finished the run (an ``end`` event with status ``completed``; None:
-    none did), and the file that says so. Only JSON is read."""
+    none did), and the file that says so. Only JSON is read, and only files inside
+    `run_dir` (`confined`: a group directory or event file linked elsewhere is refused)."""
     committed, finished, seen, done = 0, None, "", ""
     for path in sorted(Path(run_dir).glob("replica_group_*/fault_tolerance.jsonl")):
+        confined(path, run_dir, "event file")
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
                 event = json.loads(line)

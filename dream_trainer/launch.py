@@ -89,10 +89,18 @@ class RunIdentity:
 
     @classmethod
     def from_env(cls) -> RunIdentity:
+        """Read back from the environment: the names are checked like the config's (they
+        become directories under the root)."""
+        from dream_trainer.configs import check_name
+
         seed = os.environ.get(ENV_SEED)
+        experiment, run_name = os.environ.get(ENV_EXPERIMENT) or None, os.environ.get(ENV_RUN_NAME) or None
+        for env, value in ((ENV_EXPERIMENT, experiment), (ENV_RUN_NAME, run_name)):
+            if value is not None:
+                check_name(f"${env}", value)
         return cls(
-            experiment=os.environ.get(ENV_EXPERIMENT) or None,
-            run_name=os.environ.get(ENV_RUN_NAME) or None,
+            experiment=experiment,
+            run_name=run_name,
             run_dir=os.environ.get(ENV_RUN_DIR) or None,
             seed=int(seed) if seed else None,
         )

@@ -18,10 +18,13 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    """Every RNG state of this process (python, numpy, torch CPU and CUDA)."""
+    """Every RNG state of this process (python, numpy, torch CPU and CUDA), as plain data
+    (numbers, strings, tuples, tensors: what a restricted load accepts; numpy's key array
+    as a tuple of ints)."""
+    name, key, pos, has_gauss, gauss = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (str(name), tuple(key.tolist()), int(pos), int(has_gauss), float(gauss)),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -32,7 +35,8 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what `rng_state` returned."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, key, *rest = state["numpy"]
+    np.random.set_state((name, np.asarray(key, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

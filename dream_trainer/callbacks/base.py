@@ -119,6 +119,11 @@ class Callback(Generic[TrainerT]):
             the trainer's). Steps that are multiples of it are log steps too:
             ``trainer.is_log_step`` is True and `log_dict` values are sent to `on_log` at
             once, under that step.
+        safe_types: classes (plain data: dataclasses, enums, named tuples) that this
+            callback's `state_dict` holds besides tensors, numbers, strings, bytes, None and
+            lists/tuples/dicts/sets of them. Checkpoints and heals load with a restricted
+            deserializer that refuses any other type (see `dream_trainer.serialization`);
+            listing a class here allows it (``dream_trainer.allow_types`` does the same).
     """
 
     trainer: TrainerT
@@ -128,6 +133,7 @@ class Callback(Generic[TrainerT]):
     vetoes_steps: bool = False  # a class attribute; an instance may set its own in __init__
     skips_batches: bool = False
     log_every_n_steps: int | None = None
+    safe_types: ClassVar[tuple[type, ...]] = ()
 
     # -- lifecycle -------------------------------------------------------------------
     def pre_launch(self) -> None:

@@ -40,6 +40,7 @@ from dream_trainer.checkpoint import (
     to_remove,
 )
 from dream_trainer.configs import CheckpointParameters
+from dream_trainer.serialization import UnsafeStateError
 from dream_trainer.trainer.base import BaseTrainer
 
 logger = logging.getLogger(__name__)
@@ -287,7 +288,10 @@ class CheckpointCallback(Callback[BaseTrainer]):
         """Restore the trainer from the checkpoint at `path`."""
         trainer = self.trainer
         template = load_checkpoint(Path(path), trainer.state_dict(), strict=self.params.strict)
-        trainer.load_state_dict(template, strict=self.params.strict)
+        try:
+            trainer.load_state_dict(template, strict=self.params.strict)
+        except UnsafeStateError as exc:  # per-rank state, decoded by the trainer
+            raise UnsafeStateError(f"checkpoint {path}: {exc}") from None
         self.resumed_from = Path(path)
         self._last_step = trainer.global_step
         logger.info("resumed from %s at step %d, epoch %d", path, trainer.global_step, trainer.current_epoch)

@@ -73,6 +73,10 @@ class CallbackCollection(DispatchMixin):
                 f"expected a dream_trainer Callback, got {type(callback).__name__}: {callback!r}"
             )
         type(callback).check_hook_signatures()
+        if callback.safe_types:
+            from dream_trainer.serialization import allow_types
+
+            allow_types(*callback.safe_types)
         interval = callback.log_every_n_steps
         if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 1):
             raise ValueError(

@@ -136,17 +136,24 @@ class FaultToleranceCallback(Callback[BaseTrainer]):
         than the one this group resumed from; hand the run's history to the world."""
         from dream_trainer.checkpoint import list_checkpoints
         from dream_trainer.ft import group_roots, run_history
+        from dream_trainer.world.fault_tolerant import FaultToleranceError
 
         trainer, world = self.trainer, self.world
         resuming = [cb for cb in self._checkpoints() if cb.params.resume_mode == "last" and cb.root is not None]
-        found = None
+        found: Any = None
         if world.is_rank_zero:  # one look at the files for the whole group
-            infos = [info for cb in resuming for root in group_roots(cb.root, world.group_id)
-                     for info in list_checkpoints(root)]
-            newest = max(infos, key=lambda info: info.step, default=None)
-            newer = newest.path if newest is not None and newest.step > trainer.global_step else None
-            found = (newer, run_history(self._run_dir))  # type: ignore[arg-type]
-        newer, world.progress = world.broadcast_object(found)
+            try:
+                infos = [info for cb in resuming for root in group_roots(cb.root, world.group_id)
+                         for info in list_checkpoints(root)]
+                newest = max(infos, key=lambda info: info.step, default=None)
+                newer = newest.path if newest is not None and newest.step > trainer.global_step else None
+                found = (newer, run_history(self._run_dir))  # type: ignore[arg-type]
+            except FaultToleranceError as exc:  # a path that leads out of the run: every rank raises it
+                found = exc
+        found = world.broadcast_object(found)
+        if isinstance(found, FaultToleranceError):
+            raise found
+        newer, world.progress = found
         if newer is not None:
             logger.warning("replica group %d resumes from %s, newer than its own checkpoints", world.group_id, newer)
             resuming[0].load(newer)

@@ -1,7 +1,8 @@
 """`ReplicaGroup`: start, watch and SIGKILL one replica group of a fault-tolerant run (a
 process, or a ``--nproc`` launcher and its ranks), for tests, demos and benchmarks on one
 machine; `wait_until` an event; `StartGate` and `start_together`, so that every group is in
-the first quorum whatever their start-up times."""
+the first quorum whatever their start-up times; `listening`: the TCP sockets a run's
+processes listen on, and where."""
 
 from __future__ import annotations
 
@@ -30,6 +31,50 @@ def descendants(pid: int) -> list[int]:
             found.extend(children)
             frontier.extend(children)
     return found
+
+
+def _proc_address(hex_address: str) -> tuple[str, int]:
+    """``/proc/net/tcp{,6}``'s ``HEXIP:HEXPORT`` as ``(ip, port)``."""
+    import ipaddress
+    import struct
+
+    ip_hex, port_hex = hex_address.split(":")
+    raw = bytes.fromhex(ip_hex)
+    # The kernel prints each 32-bit word of the address in host byte order.
+    words = b"".join(struct.pack("=I", w) for w in struct.unpack(f">{len(raw) // 4}I", raw))
+    ip = ipaddress.ip_address(words)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip), int(port_hex, 16)
+
+
+def listening(pids: Sequence[int]) -> list[tuple[str, int]]:
+    """The TCP sockets in LISTEN state that the processes `pids` hold, as ``(ip, port)``
+    (``0.0.0.0`` / ``::``: every interface). Linux ``/proc`` (empty elsewhere)."""
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A" and fields[9] in inodes:
+                found.append(_proc_address(fields[1]))
+    return sorted(set(found))
 
 
 class ReplicaGroup:

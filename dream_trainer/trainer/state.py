@@ -17,10 +17,10 @@ A mixin of `BaseTrainer` (no ``__init__``; its attributes are set there). What i
 from __future__ import annotations
 
 import logging
-import pickle
 from typing import Any
 
 from dream_trainer.callbacks.collection import warn_absent_callbacks
+from dream_trainer.serialization import check_storable, dumps, loads
 from dream_trainer.trainer.abstract import AbstractTrainer, reshard
 from dream_trainer.utils import rng_state, set_rng_state
 
@@ -58,6 +58,11 @@ class StateMixin(AbstractTrainer):
             optimizers[name] = opt.state_dict() if native else get_optimizer_state_dict(model, opt)
         callbacks = self.callbacks.state_dict()
         own = {name: state for name, state in callbacks.items() if not _holds_dtensor(state)}
+        schedulers = {name: s.state_dict() for name, s in self.named_schedulers().items()}
+        # What a restricted load would refuse fails here, at the save (see dream_trainer.serialization).
+        check_storable(callbacks, "callback state")
+        check_storable(schedulers, "scheduler state")
+        check_storable(optimizers, "optimizer state")
         return {
             "trainer": {
                 "global_step": self.global_step,
@@ -65,21 +70,22 @@ class StateMixin(AbstractTrainer):
                 "local_batches": self.local_batches,
                 "epoch_complete": self._epoch_complete,
                 "last_val_step": -1 if self._last_val_step is None else self._last_val_step,
-                "callbacks": pickle.dumps(sorted(callbacks)),  # whose state is saved (see load)
+                "callbacks": dumps(sorted(callbacks), "saved callback names"),  # whose state is saved (see load)
                 "skipped_steps": self.skipped_steps,  # type: ignore[attr-defined]  (StepMixin)
                 "skipped_batches": self.skipped_batches,  # type: ignore[attr-defined]
             },
             "models": _plain({name: get_model_state_dict(m) for name, m in self.named_models().items()}),
             "optimizers": _plain(optimizers),
-            "schedulers": {name: s.state_dict() for name, s in self.named_schedulers().items()},
+            "schedulers": schedulers,
             "callbacks": callbacks,
-            # Opaque (pickled) per-rank entries: their structure may differ between the
-            # saving run and the template of the resuming one.
+            # Opaque per-rank entries (bytes in a restricted format, see
+            # dream_trainer.serialization): their structure may differ between the saving
+            # run and the template of the resuming one.
             "ranks": {
                 self.rank_key: {
                     "rng": rng_state(),
-                    "data": pickle.dumps(self._data_position()),  # type: ignore[attr-defined]  (DataMixin)
-                    "callbacks": pickle.dumps(own),
+                    "data": dumps(self._data_position(), "data position"),  # type: ignore[attr-defined]  (DataMixin)
+                    "callbacks": dumps(own, "callback state"),
                 }
             },
         }
@@ -128,10 +134,10 @@ class StateMixin(AbstractTrainer):
         mine = state.get("ranks", {}).get(self.rank_key)
         callbacks = dict(state.get("callbacks", {}))
         if mine is not None:
-            callbacks.update(pickle.loads(mine["callbacks"]))
+            callbacks.update(loads(mine["callbacks"], f"the callback state of {self.rank_key}"))
         # Warned here, once: the shared copy of a callback absent from this run is not in the
         # resuming template, so DCP never loads it.
-        saved = pickle.loads(counters["callbacks"]) if "callbacks" in counters else list(callbacks)
+        saved = loads(counters["callbacks"], "the list of saved callbacks") if "callbacks" in counters else list(callbacks)
         absent = [name for name in saved if name not in self.callbacks]
         if absent:
             warn_absent_callbacks(absent, self.callbacks.names())
@@ -148,7 +154,7 @@ class StateMixin(AbstractTrainer):
             )
             return
         self.callbacks.load_state_dict(callbacks)
-        position = pickle.loads(mine["data"])
+        position = loads(mine["data"], f"the data position of {self.rank_key}")
         if live:
             if position.get("loader") is not None:
                 self._restore_data_position(position)  # type: ignore[attr-defined]

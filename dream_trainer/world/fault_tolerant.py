@@ -23,6 +23,7 @@ torchft is imported only when a fault-tolerant world is made (``pip install torc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -33,8 +34,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
-
-import torch
 
 from dream_trainer.configs import DeviceParameters, FaultToleranceParameters
 from dream_trainer.world.ft_gradients import GradientBuckets
@@ -55,18 +54,27 @@ _HANDLED = ("got exception waiting for work", "got exception in future", "got ex
             "got exception in pg configure")
 
 
+def _refused_heal(record: logging.LogRecord) -> bool:
+    """A record of torchft's for a heal refused as unsafe or damaged (the world raises it)."""
+    from dream_trainer.checkpoint import CheckpointError
+
+    return "got exception in recovery" in record.getMessage() and record.exc_info is not None and \
+        isinstance(record.exc_info[1], CheckpointError)
+
+
 class _DropNoise(logging.Filter):
     """torchft warns at every reconfiguration that it cannot reset NCCL's flight recorder
     (also on CPU, where there is none). And it logs a full traceback at ERROR for a failed
     collective of a dream_trainer group, which it reports to its Manager: the world handles
     that error (the step is not committed) and logs it as one warning line; the traceback
-    goes to this module's logger at DEBUG."""
+    goes to this module's logger at DEBUG. So does its traceback of a refused heal, which
+    the world raises (`FaultTolerantWorld.begin_step`)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if "flight recorder" in message:
             return False
-        if message.startswith("[dream_trainer_") and any(h in message for h in _HANDLED):
+        if message.startswith("[dream_trainer_") and (any(h in message for h in _HANDLED) or _refused_heal(record)):
             logger.debug("torchft: %s", message, exc_info=record.exc_info)
             return False
         return True
@@ -146,10 +154,12 @@ def _is_loopback(host: str) -> bool:
 
 
 def resolve_hostname(hostname: str | None, lighthouse: str) -> str:
-    """The address peers reach this group at. torchft advertises ``socket.gethostname()``
-    by default, which peers cannot use when it does not resolve: an explicit `hostname`
-    must resolve; without one, this machine's hostname when it resolves, else ``127.0.0.1``
-    when the lighthouse is on loopback (every group on this machine), else an error."""
+    """The address peers reach this group at (and its servers listen on, see
+    `dream_trainer.world.ft_transport`). torchft advertises ``socket.gethostname()`` by
+    default, which peers cannot use when it does not resolve: an explicit `hostname` must
+    resolve; without one, ``127.0.0.1`` when the lighthouse is on loopback (every group is
+    on this machine: nothing needs to listen elsewhere), else this machine's hostname when
+    it resolves, else an error."""
     if hostname is not None:
         try:
             socket.getaddrinfo(hostname, None)
@@ -159,15 +169,14 @@ def resolve_hostname(hostname: str | None, lighthouse: str) -> str:
                 "this group; give an address or a name in DNS/hosts"
             ) from None
         return hostname
+    if _is_loopback(_host_port(lighthouse)[0]):
+        return "127.0.0.1"
     own = socket.gethostname()
     try:
         socket.getaddrinfo(own, None)
         return own
     except OSError:
         pass
-    if _is_loopback(_host_port(lighthouse)[0]):
-        logger.info("hostname %r does not resolve; the lighthouse is on loopback: advertising 127.0.0.1", own)
-        return "127.0.0.1"
     raise FaultToleranceError(
         f"this machine's hostname {own!r} does not resolve, so peers could not reach this group: set "
         "FaultToleranceParameters(hostname=...) to an address the other groups can reach"
@@ -214,6 +223,8 @@ class FaultTolerantWorld(DistributedWorld):
             read. Set by `FaultToleranceCallback` before training; the first quorum checks
             this group against it (`dream_trainer.ft.check_progress`).
         gradients: the bucketed cross-group gradient all-reduce (after `launch`).
+        bind_host, addresses: the address this rank's servers listen on, and their URLs
+            (``heal``; ``manager`` on group rank 0), after `launch` (`ft_transport`).
     """
 
     announces_batches = True
@@ -229,6 +240,8 @@ class FaultTolerantWorld(DistributedWorld):
         self.lighthouse = lighthouse_address(params)
         check_heartbeat(params, self.lighthouse)
         self.hostname = resolve_hostname(params.hostname, self.lighthouse)
+        self.bind_host: str | None = None
+        self.addresses: dict[str, str] = {}
         self.manager: Any = None
         self.participants = 0
         self.replica_rank: int | None = None
@@ -263,47 +276,49 @@ class FaultTolerantWorld(DistributedWorld):
 
     def _start_manager(self) -> None:
         quiet_torchft()
-        from torchft.checkpointing.http_transport import HTTPTransport
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
+        from dream_trainer.world.ft_transport import HealTransport, bound_store, listen_address, manager_bound_to
+
         params, timeout = self.ft, timedelta(seconds=self.ft.timeout_s)
+        self.bind_host, self.hostname = listen_address(self.hostname, _host_port(self.lighthouse)[0])
         if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
             store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        else:  # one process without a launcher: its own store, reachable by peers
-            self._store = torch.distributed.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        else:  # one process without a launcher: its own store, reachable by peers (only there)
+            self._store = bound_store(self.bind_host, self.hostname)
             store_addr, store_port = self.hostname, self._store.port
-        hostname = self.hostname
-
-        class _Transport(HTTPTransport):  # type: ignore[misc]
-            """torchft's HTTP heal transport, advertising a reachable address (it would
-            advertise ``socket.gethostname()``)."""
-
-            def address(self) -> str:
-                return f"http://{hostname}:{self._server.socket.getsockname()[1]}/checkpoint/"
-
+        transport = HealTransport(timeout, host=self.bind_host, advertised=self.hostname)
         pg = ProcessGroupNCCL(timeout=timeout) if self.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         self._replica_pg = pg
-        self.manager = Manager(
-            pg=pg,
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=params.min_replica_size,
-            use_async_quorum=False,  # heal before the step: never a state_dict() during a backward (FSDP2)
-            timeout=timeout,
-            quorum_timeout=timedelta(seconds=params.quorum_timeout_s),
-            connect_timeout=timedelta(seconds=params.connect_timeout_s),
-            rank=self.rank,
-            world_size=self.world_size,
-            store_addr=store_addr,
-            store_port=store_port,
-            lighthouse_addr=self.lighthouse,
-            replica_id=f"dream_trainer_{self.group_id}",
-            hostname=hostname,
-            heartbeat_interval=timedelta(seconds=params.heartbeat_interval),
-            checkpoint_transport=_Transport(timeout=timeout, num_chunks=0),
-            init_sync=params.init_sync,
-        )
+        try:
+            with manager_bound_to(self.bind_host) if self.rank == 0 else contextlib.nullcontext():  # its server
+                self.manager = Manager(
+                    pg=pg,
+                    load_state_dict=None,
+                    state_dict=None,
+                    min_replica_size=params.min_replica_size,
+                    use_async_quorum=False,  # heal before the step: never a state_dict() during a backward (FSDP2)
+                    timeout=timeout,
+                    quorum_timeout=timedelta(seconds=params.quorum_timeout_s),
+                    connect_timeout=timedelta(seconds=params.connect_timeout_s),
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    store_addr=store_addr,
+                    store_port=store_port,
+                    lighthouse_addr=self.lighthouse,
+                    replica_id=f"dream_trainer_{self.group_id}",
+                    hostname=self.hostname,
+                    heartbeat_interval=timedelta(seconds=params.heartbeat_interval),
+                    checkpoint_transport=transport,
+                    init_sync=params.init_sync,
+                )
+        except BaseException:
+            transport.shutdown()
+            raise
+        server = getattr(self.manager, "_manager", None)  # group rank 0's gRPC server
+        self.addresses = {"heal": transport.address(), **({"manager": server.address()} if server else {})}
+        logger.debug("replica group %d rank %d listens at %s", self.group_id, self.rank, self.addresses)
         manager = self.manager
         self.gradients = GradientBuckets(lambda t: manager.allreduce(t), manager.report_error, self._final_gradients,
                                          self.bucket_mb)
@@ -354,6 +369,8 @@ class FaultTolerantWorld(DistributedWorld):
         finally:
             self._in_quorum = False
         quorum_s = time.perf_counter() - started
+        from dream_trainer.world.ft_transport import raise_refused_heal
+        raise_refused_heal(manager, self.group_id)  # not applied, and would be retried at every step
         self.participants, self.replica_rank = manager.num_participants(), manager.participating_rank()
         self._token = manager.current_step()
         self._step_open, self._micro = True, 0

@@ -11,7 +11,11 @@ them are then in the first quorum, whatever their start-up times).
 ``--hold PATH``: after the first step this group commits with a group lost, write
 ``<group dir>/<PATH's name>.held`` and wait for PATH (the test restarts the lost group
 meanwhile: it is then up, heartbeating, when this group's next quorum forms).
-Each rank writes its model's final parameters to ``<group dir>/final.rank<R>.pt``.
+``--evil-heal PATH``: a malicious peer: the heal this group sends holds an object whose
+unpickling would create the directory PATH (a receiver must refuse it, PATH never appears).
+Each rank writes its model's final parameters to ``<group dir>/final.rank<R>.pt`` and the
+addresses its servers listen on (`FaultTolerantWorld.addresses`) to
+``<group dir>/addresses.rank<R>.json``.
 """
 
 from __future__ import annotations
@@ -70,15 +74,31 @@ class Worker(ToyTrainer):
         return {"loss": loss}
 
 
+class Payload:
+    """What a malicious peer sends in a heal: unpickled, it would run ``os.mkdir(path)``."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return os.mkdir, (self.path,)
+
+
 class Samples(Callback[Worker]):
     """Appends {step, committed, participants, indices, ...} per optimizer step to
-    <group dir>/samples.rank<R>.jsonl; the hold (see the module docstring)."""
+    <group dir>/samples.rank<R>.jsonl; the hold and the evil heal (see the module
+    docstring); the servers' addresses."""
 
-    def __init__(self, hold: str | None, overlap: bool):
-        self.hold, self.overlap = Path(hold) if hold else None, overlap
+    def __init__(self, hold: str | None, overlap: bool, evil_heal: str | None = None):
+        self.hold, self.overlap, self.evil_heal = Path(hold) if hold else None, overlap, evil_heal
 
     def post_configure(self) -> None:
-        self.trainer.world.gradients.overlap = self.overlap
+        world = self.trainer.world
+        world.gradients.overlap = self.overlap
+        if self.evil_heal is not None:  # sent beside the trainer's state in every heal from this group
+            world.manager.register_state_dict_fn("payload", lambda state: None, lambda: Payload(self.evil_heal))
+        path = self.trainer.run_dir / f"addresses.rank{world.rank}.json"
+        path.write_text(json.dumps({**world.addresses, "pid": os.getpid()}))
 
     def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
         trainer = self.trainer
@@ -118,6 +138,7 @@ def main() -> Worker:
     p.add_argument("--no-checkpoint", action="store_true")
     p.add_argument("--bucket-mb", type=float, default=None)
     p.add_argument("--no-overlap", action="store_true", help="every gradient all-reduce starts after backward")
+    p.add_argument("--evil-heal", default=None, help="send a heal whose unpickling would mkdir this path")
     args = p.parse_args()
     if args.bucket_mb is not None:
         FaultTolerantWorld.bucket_mb = args.bucket_mb
@@ -132,7 +153,7 @@ def main() -> Worker:
             FaultToleranceCallback(FaultToleranceParameters(replica_group_id=args.group, timeout_s=20.0,
                                                             checkpoint_interval=args.checkpoint_interval,
                                                             max_failures=args.max_failures)),
-            Samples(args.hold, overlap=not args.no_overlap),
+            Samples(args.hold, overlap=not args.no_overlap, evil_heal=args.evil_heal),
             *([StartGate(args.gate)] if args.gate else []),
             LoggerCallback(tensorboard=False),
             *checkpoint,

@@ -66,7 +66,9 @@ def _samples(group, rank=0):
 
 def _final_params(group, tmp_path):
     newest = list_checkpoints(group.dir / "checkpoints")[-1]
-    return torch.load(export_model(newest.path, tmp_path / f"{group.dir.name}.pt"))
+    from safetensors.torch import load_file
+
+    return load_file(str(export_model(newest.path, tmp_path / f"{group.dir.name}.safetensors")))
 
 
 def _same(first, second):

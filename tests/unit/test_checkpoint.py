@@ -223,22 +223,20 @@ def test_background_save_error_surfaces_on_the_next_step(monkeypatch):
     assert not list_checkpoints(ROOT)
 
 
-@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
-def test_export_model_is_a_plain_state_dict(suffix, tmp_path):
-    trainer, saver = run(max_steps=4)
-    out = export_model(saver.saved[-1], tmp_path / f"model{suffix}")
-    if suffix == ".safetensors":
-        from safetensors.torch import load_file
+def test_export_model_is_a_plain_state_dict(tmp_path):
+    from safetensors.torch import load_file
 
-        state = load_file(str(out))
-    else:
-        state = torch.load(out, weights_only=True)
+    trainer, saver = run(max_steps=4)
+    with pytest.raises(ValueError, match=r"export_model\(output='.*model\.pt'\): .*safetensors only.*'\.safetensors'"):
+        export_model(saver.saved[-1], tmp_path / "model.pt")  # a pickle: refused, before any work
+    assert not (tmp_path / "model.pt").exists()
+    state = load_file(str(export_model(saver.saved[-1], tmp_path / "model.safetensors")))
     plain = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     plain.load_state_dict(state)  # strict: same keys, no dream_trainer needed
     x = torch.randn(5, 8)
     torch.testing.assert_close(plain(x), trainer.model(x), rtol=0, atol=0)
     with pytest.raises(CheckpointError, match=r"no model named 'ema'; it has: \['model'\]"):
-        export_model(saver.saved[-1], tmp_path / "x.pt", model="ema")
+        export_model(saver.saved[-1], tmp_path / "x.safetensors", model="ema")
 
 
 def test_checkpoint_parameters_errors():

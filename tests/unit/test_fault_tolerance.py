@@ -1,6 +1,7 @@
 """Fault tolerance in one process: settings and their errors, an unreachable lighthouse, the
-hostname trap, the heartbeat interval against the lighthouse's timeout, the lighthouse CLI,
-the run's history read from its files, and one replica group training with a real
+hostname trap and where the servers listen, the heartbeat interval against the lighthouse's
+timeout, the lighthouse CLI, the run's history read from its files (never from outside the
+run's directory), and one replica group training with a real
 lighthouse and torchft Manager (committed steps, vetoes, skipped batches, the Manager's
 state in checkpoints, the gradient all-reduce started during backward). The multi-group
 runs are in tests/integration/test_fault_tolerance.py."""
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -32,7 +34,15 @@ from dream_trainer import (
     TrainerConfig,
     TrainingParameters,
 )
-from dream_trainer.ft import FaultTolerantSampler, Lighthouse, check_progress, group_roots, run_history, step_units
+from dream_trainer.ft import (
+    FaultTolerantSampler,
+    Lighthouse,
+    check_progress,
+    confined,
+    group_roots,
+    run_history,
+    step_units,
+)
 from dream_trainer.launch import free_port
 from dream_trainer.testing import ToyTrainer
 from dream_trainer.testing.toy import toy_data
@@ -74,6 +84,33 @@ def test_an_unresolvable_hostname_is_an_error_or_loopback(monkeypatch):
     assert resolve_hostname(None, "http://127.0.0.1:29510") == "127.0.0.1"  # every group is on this machine
     with pytest.raises(FaultToleranceError, match=r"'unresolvable-host.invalid' does not resolve.*hostname="):
         resolve_hostname(None, "http://192.0.2.1:29510")
+    # A name that resolves: loopback all the same when the lighthouse is (nothing needs to
+    # be reachable from elsewhere); the name when the lighthouse is on another machine.
+    monkeypatch.setattr(socket, "gethostname", lambda: "localhost")
+    assert resolve_hostname(None, "http://127.0.0.1:29510") == "127.0.0.1"
+    assert resolve_hostname(None, "http://192.0.2.1:29510") == "localhost"
+
+
+@needs_torchft
+def test_the_servers_listen_where_the_group_is_reached(monkeypatch):
+    """(bind, advertised): the hostname's address; a name that resolves to loopback here
+    while the lighthouse is elsewhere (127.0.1.1 in /etc/hosts): this machine's address on
+    the route to the lighthouse, advertised too. An address the heal server cannot listen on
+    is an error naming it and the setting to fix."""
+    from dream_trainer.world import ft_transport
+    from dream_trainer.world.ft_transport import HealTransport, bound_store, listen_address
+
+    assert listen_address("127.0.0.1", "127.0.0.1") == ("127.0.0.1", "127.0.0.1")
+    assert listen_address("localhost", "localhost")[0] in ("127.0.0.1", "::1")
+    assert listen_address("::1", "::1") == ("::1", "::1")
+    monkeypatch.setattr(ft_transport, "_route_to", lambda host: "192.0.2.7")
+    assert listen_address("localhost", "10.0.0.1") == ("192.0.2.7", "192.0.2.7")
+    assert listen_address("192.0.2.8", "10.0.0.1") == ("192.0.2.8", "192.0.2.8")  # an address of its own: kept
+    with pytest.raises(FaultToleranceError, match=r"the heal server cannot listen on 192.0.2.8 \(the address of this "
+                                                  r"group's hostname 'node-a'\).*FaultToleranceParameters\(hostname="):
+        HealTransport(timedelta(seconds=5), host="192.0.2.8", advertised="node-a")
+    with pytest.raises(FaultToleranceError, match=r"the group's store cannot listen on 192.0.2.8"):
+        bound_store("192.0.2.8", "node-a")
 
 
 # --------------------------------------------------------------------- an unreachable lighthouse
@@ -177,6 +214,42 @@ def test_the_run_history_and_the_groups_checkpoint_roots(tmp_path):
         tmp_path / f"replica_group_{g}" / "checkpoints" for g in (0, 1, 2)]
     assert group_roots(tmp_path / "replica_group_2", 2) == [tmp_path / f"replica_group_{g}" for g in (0, 1, 2)]
     assert group_roots(tmp_path / "elsewhere", 1) == [tmp_path / "elsewhere"]
+
+
+def test_what_is_read_back_stays_inside_the_run(tmp_path):
+    """A group directory, an event file or a checkpoint root found on disk that leads out of
+    the run's directory (a symlink; a path with ``..``) is refused with an error naming it,
+    where it leads and the directory the run is configured with; inside, links are fine."""
+    run, outside = tmp_path / "run", tmp_path / "elsewhere"
+    for d in (run / "replica_group_0", outside / "replica_group_9"):
+        d.mkdir(parents=True)
+        (d / "fault_tolerance.jsonl").write_text('{"event": "step", "step": 3}\n')
+    assert run_history(run)[0] == 3
+    (run / "replica_group_0" / "checkpoints").mkdir()
+    (run / "replica_group_1").symlink_to(run / "replica_group_0", target_is_directory=True)  # inside: fine
+    assert run_history(run)[0] == 3 and len(group_roots(run / "replica_group_0" / "checkpoints", 0)) == 2
+    (run / "replica_group_9").symlink_to(outside / "replica_group_9", target_is_directory=True)
+    with pytest.raises(FaultToleranceError, match=r"event file .*replica_group_9/fault_tolerance.jsonl resolves to "
+                                                  r".*elsewhere/replica_group_9/fault_tolerance.jsonl, outside "
+                                                  r".*/run, the directory this run is configured with: refused"):
+        run_history(run)
+    with pytest.raises(FaultToleranceError, match=r"replica group directory .*replica_group_9 resolves to .*elsewhere"):
+        group_roots(run / "replica_group_0" / "checkpoints", 0)
+    (run / "replica_group_9").unlink()
+    (run / "replica_group_0" / "fault_tolerance.jsonl").unlink()
+    (run / "replica_group_0" / "fault_tolerance.jsonl").symlink_to(outside / "replica_group_9" / "fault_tolerance.jsonl")
+    with pytest.raises(FaultToleranceError, match=r"event file .*replica_group_0/fault_tolerance.jsonl resolves"):
+        run_history(run)
+    (run / "replica_group_0" / "fault_tolerance.jsonl").unlink()
+    (run / "replica_group_0" / "checkpoints").rmdir()
+    (run / "replica_group_0" / "checkpoints").symlink_to(outside, target_is_directory=True)  # a root linked out
+    with pytest.raises(FaultToleranceError, match=r"checkpoint root .*replica_group_0/checkpoints resolves to "
+                                                  r".*elsewhere, outside"):
+        group_roots(run / "replica_group_1" / "checkpoints", 1)
+    with pytest.raises(FaultToleranceError, match=r"resolves to .*elsewhere, outside"):
+        confined(run / ".." / "elsewhere", run, "a path")
+    assert confined(run / "replica_group_1" / ".." / "replica_group_0", run, "a path") == \
+        run / "replica_group_1" / ".." / "replica_group_0"
 
 
 def test_a_first_quorum_behind_the_run_fails_or_warns(caplog):
