@@ -78,6 +78,10 @@ class TrainingParameters:
         train_steps_per_epoch: batches per epoch; needed by iterable loaders without
             ``__len__`` that never end. Default: ``len(train_dataloader)`` (the minimum over
             ranks), or until the iterator is exhausted.
+        train_steps_per_epoch_hint: an estimate of the batches per epoch of a training
+            loader without ``__len__`` (a stream), for what an estimate serves:
+            `trainer.total_steps` (progress, ETA, a schedule's length). It never ends an
+            epoch (`train_steps_per_epoch` does) and is ignored when the length is known.
         val_steps_per_epoch: batches per validation run (None: the whole loader).
         gradient_accumulation_steps: micro-batches per optimizer step.
         gradient_clip_val: clip the global gradient norm to this value (None: no clipping).
@@ -93,6 +97,7 @@ class TrainingParameters:
     n_epochs: int | None = 1
     max_steps: int | None = None
     train_steps_per_epoch: int | None = None
+    train_steps_per_epoch_hint: int | None = None
     val_steps_per_epoch: int | None = None
     gradient_accumulation_steps: int = 1
     gradient_clip_val: float | None = None
@@ -109,6 +114,7 @@ class TrainingParameters:
         if self.n_epochs is None and self.max_steps is None:
             raise ValueError(f"{owner}: n_epochs and max_steps are both None; set at least one")
         _positive_int(owner, "train_steps_per_epoch", self.train_steps_per_epoch, allow_none=True)
+        _positive_int(owner, "train_steps_per_epoch_hint", self.train_steps_per_epoch_hint, allow_none=True)
         _positive_int(owner, "val_steps_per_epoch", self.val_steps_per_epoch, allow_none=True)
         _positive_int(owner, "gradient_accumulation_steps", self.gradient_accumulation_steps)
         _positive_int(owner, "val_every_n_steps", self.val_every_n_steps, allow_none=True)

@@ -31,8 +31,11 @@ HOOKS: tuple[str, ...] = (
     "post_epoch",
     "pre_train_epoch",
     "post_train_epoch",
+    "on_step_begin",
     "pre_train_step",
+    "on_train_step_error",
     "post_train_step",
+    "on_step_end",
     "pre_optimizer_step",
     "post_optimizer_step",
     "pre_optimizer_zero_grad",
@@ -44,6 +47,7 @@ HOOKS: tuple[str, ...] = (
     "on_log",
     "on_checkpoint_saved",
     "on_checkpoint_loaded",
+    "on_callback_error",
     "on_callback_disabled",
     "on_interrupt",
     "on_teardown",
@@ -119,6 +123,9 @@ class Callback(Generic[TrainerT]):
             the trainer's). Steps that are multiples of it are log steps too:
             ``trainer.is_log_step`` is True and `log_dict` values are sent to `on_log` at
             once, under that step.
+        recovers_errors: the callback may ask for a failed (micro-)batch to be retried
+            (`on_train_step_error`). The ranks then agree on every backward whether a
+            rank's ``training_step`` failed (one small all-reduce on the CPU per backward).
         safe_types: classes (plain data: dataclasses, enums, named tuples) that this
             callback's `state_dict` holds besides tensors, numbers, strings, bytes, None and
             lists/tuples/dicts/sets of them. Checkpoints and heals load with a restricted
@@ -134,6 +141,7 @@ class Callback(Generic[TrainerT]):
     skips_batches: bool = False
     log_every_n_steps: int | None = None
     safe_types: ClassVar[tuple[type, ...]] = ()
+    recovers_errors: bool = False
 
     # -- lifecycle -------------------------------------------------------------------
     def pre_launch(self) -> None:
@@ -164,8 +172,32 @@ class Callback(Generic[TrainerT]):
     # -- training --------------------------------------------------------------------
     def pre_train_epoch(self) -> None: ...
     def post_train_epoch(self, result: dict[str, Any]) -> None: ...
-    def pre_train_step(self, batch: Any, batch_idx: int) -> None: ...
+    def on_step_begin(self, step: int) -> None:
+        """An optimizer step begins: its first micro-batch has arrived (before its
+        `pre_train_step`). `step` is the step's number (``global_step + 1``). Once per
+        optimizer step, whatever the gradient accumulation."""
+
+    def pre_train_step(self, batch: Any, batch_idx: int) -> Any:
+        """Before ``training_step`` on this (micro-)batch, on the device. Return a batch to
+        replace it (masking, augmentation): later callbacks and ``training_step`` get the
+        replacement. None (the default) keeps the batch."""
+
+    def on_train_step_error(self, error: Exception, batch: Any, batch_idx: int) -> bool | None:
+        """``training_step`` raised `error` on some rank (e.g. a CUDA out-of-memory), before
+        its backward's collectives. Needs ``recovers_errors = True`` (the ranks then agree
+        on every backward). Every rank is told (`error` is None on a rank where the step
+        went through, whose work is dropped). Return True to retry the (micro-)batch: it is
+        retried on every rank when a callback returned True on every rank — after a change
+        that makes it pass (e.g. a `pre_train_step` that now splits or shrinks the batch);
+        else the error ends the run."""
+
     def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None: ...
+
+    def on_step_end(self, step: int) -> None:
+        """An optimizer step ended: after its last micro-batch's `post_train_step`, before
+        the step's logging, validation and checkpoint. `step` is the number `on_step_begin`
+        got; ``trainer.step_skipped`` tells whether the update was skipped."""
+
     def pre_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool | None:
         """Before ``optimizer.step()`` (gradients final, clipped). Return False to veto the
         step (needs ``vetoes_steps = True``): on every rank, no update, no scheduler step,
@@ -189,6 +221,12 @@ class Callback(Generic[TrainerT]):
 
     def on_checkpoint_loaded(self, path: Path, step: int) -> None:
         """The trainer was restored from the checkpoint at `path` (at `step`)."""
+
+    def on_callback_error(self, callback: str, hook: str, error: Exception) -> None:
+        """The non-critical callback named `callback` raised `error` in `hook` (each
+        failure; training goes on, and after repeated failures it is disabled). Not called
+        on the failing callback itself; an error raised here is logged, never dispatched
+        again. Runs on the rank where it failed."""
 
     def on_callback_disabled(self, name: str, reason: str) -> None:
         """The non-critical callback `name` was disabled (on every rank, at the same point)."""

@@ -200,6 +200,7 @@ class CallbackCollection(DispatchMixin):
         #: Whether some callback may veto optimizer steps / skip batches (the ranks then agree on each).
         self.vetoes_steps = any(cb.vetoes_steps for cb in every)  # an instance may set its own
         self.skips_batches = any(cb.skips_batches for cb in every)
+        self.recovers_errors = any(cb.recovers_errors for cb in every)
         #: Whether any callback returns a context for training / validation steps.
         self.has_train_context = bool(self._contexts["train_context"])
         self.has_validation_context = bool(self._contexts["validation_context"])
@@ -259,6 +260,7 @@ class CallbackCollection(DispatchMixin):
             logger.exception("non-critical callback %r failed in %s (training continues)", name, hook)
         else:
             logger.warning("non-critical callback %r failed again in %s: %r", name, hook, exc)
+        self._tell_error(callback, name, hook, exc)
         if state.count >= callback.max_consecutive_failures:
             why = f"{state.count} consecutive failures"
             # Inside a trainer, every rank disables it at the same boundary.
@@ -267,6 +269,16 @@ class CallbackCollection(DispatchMixin):
                 self.disable(name, why)
             else:
                 request_disable(name, why)
+
+    def _tell_error(self, failed: Callback[Any], name: str, hook: str, exc: Exception) -> None:
+        """`on_callback_error` of every other callback; its own errors are logged only."""
+        for fn in self._h_on_callback_error:
+            if fn.__self__ is failed:  # type: ignore[attr-defined]
+                continue
+            try:
+                fn(name, hook, exc)
+            except Exception:  # noqa: BLE001 - never dispatched again (no error loops)
+                logger.exception("on_callback_error of %r failed", type(fn.__self__).__name__)  # type: ignore[attr-defined]
 
     def disable(self, name: str, why: str) -> None:
         """Remove the callback `name` (a non-critical one that keeps failing), with a

@@ -75,8 +75,11 @@ class CompileMonitor(Callback[DreamTrainer]):
             return
         import torch._dynamo.callback as dynamo_callback
 
-        dynamo_callback.callback_handler.remove_start_callback(self._started)
-        dynamo_callback.callback_handler.remove_end_callback(self._ended)
+        handler = dynamo_callback.callback_handler
+        for fn, registered, remove in ((self._started, handler.start_callbacks, handler.remove_start_callback),
+                                       (self._ended, handler.end_callbacks, handler.remove_end_callback)):
+            if fn in registered:  # torch._dynamo.reset() (graph-break finding) may have cleared them
+                remove(fn)
         logging.getLogger(_RECOMPILE_LOGGER).removeHandler(self._handler)  # type: ignore[arg-type]
         self._installed = False
 

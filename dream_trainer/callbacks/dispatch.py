@@ -42,8 +42,11 @@ class DispatchMixin:
     _h_post_epoch: tuple[Callable[[], None], ...]
     _h_pre_train_epoch: tuple[Callable[[], None], ...]
     _h_post_train_epoch: tuple[Callable[[dict[str, Any]], None], ...]
-    _h_pre_train_step: tuple[Callable[[Any, int], None], ...]
+    _h_on_step_begin: tuple[Callable[[int], None], ...]
+    _h_pre_train_step: tuple[Callable[[Any, int], Any], ...]
+    _h_on_train_step_error: tuple[Callable[[Exception | None, Any, int], bool | None], ...]
     _h_post_train_step: tuple[Callable[[dict[str, Any], int], None], ...]
+    _h_on_step_end: tuple[Callable[[int], None], ...]
     _h_pre_optimizer_step: tuple[Callable[..., bool | None], ...]
     _h_post_optimizer_step: tuple[Callable[..., None], ...]
     _h_pre_optimizer_zero_grad: tuple[Callable[..., None], ...]
@@ -55,6 +58,7 @@ class DispatchMixin:
     _h_on_log: tuple[Callable[[dict[str, float], int], None], ...]
     _h_on_checkpoint_saved: tuple[Callable[[Path, int], None], ...]
     _h_on_checkpoint_loaded: tuple[Callable[[Path, int], None], ...]
+    _h_on_callback_error: tuple[Callable[[str, str, Exception], None], ...]
     _h_on_callback_disabled: tuple[Callable[[str, str], None], ...]
     _h_on_interrupt: tuple[Callable[[BaseException], None], ...]
     _h_on_teardown: tuple[Callable[[str], None], ...]
@@ -111,13 +115,39 @@ class DispatchMixin:
         if self._h_post_train_epoch:
             self._call1(self._h_post_train_epoch, "post_train_epoch", result)
 
-    def pre_train_step(self, batch: Any, batch_idx: int) -> None:
-        if self._h_pre_train_step:
-            self._call2(self._h_pre_train_step, "pre_train_step", batch, batch_idx)
+    def on_step_begin(self, step: int) -> None:
+        if self._h_on_step_begin:
+            self._call1(self._h_on_step_begin, "on_step_begin", step)
+
+    def pre_train_step(self, batch: Any, batch_idx: int) -> Any:
+        """Returns the batch: the last replacement a callback returned, else `batch`."""
+        for fn in self._h_pre_train_step:
+            try:
+                replaced = fn(batch, batch_idx)
+            except Exception as exc:  # noqa: BLE001 - the error policy decides
+                self._on_error(fn, "pre_train_step", exc)
+                continue
+            if replaced is not None:
+                batch = replaced
+        return batch
+
+    def on_train_step_error(self, error: Exception | None, batch: Any, batch_idx: int) -> bool:
+        """Whether a callback asked for a retry (returned True)."""
+        retry = False
+        for fn in self._h_on_train_step_error:
+            try:
+                retry = fn(error, batch, batch_idx) is True or retry
+            except Exception as exc:  # noqa: BLE001
+                self._on_error(fn, "on_train_step_error", exc)
+        return retry
 
     def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
         if self._h_post_train_step:
             self._call2(self._h_post_train_step, "post_train_step", result, batch_idx)
+
+    def on_step_end(self, step: int) -> None:
+        if self._h_on_step_end:
+            self._call1(self._h_on_step_end, "on_step_end", step)
 
     def pre_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
         """Returns the names of the callbacks that vetoed the step (returned False)."""
@@ -169,6 +199,12 @@ class DispatchMixin:
     def on_checkpoint_loaded(self, path: Path, step: int) -> None:
         if self._h_on_checkpoint_loaded:
             self._call2(self._h_on_checkpoint_loaded, "on_checkpoint_loaded", path, step)
+
+    def on_callback_error(self, callback: str, hook: str, error: Exception) -> None:
+        """Dispatched by the error policy itself (`CallbackCollection._on_error`), which
+        leaves out the failing callback; calling it directly tells every callback."""
+        for fn in self._h_on_callback_error:
+            fn(callback, hook, error)
 
     def on_callback_disabled(self, name: str, reason: str) -> None:
         if self._h_on_callback_disabled:

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import numbers
 import sys
 import time
 from pathlib import Path
 from typing import IO, Any
 
+import torch
+
 from dream_trainer.callbacks.base import RankZeroCallback
 from dream_trainer.trainer.abstract import AbstractTrainer
+
+logger = logging.getLogger(__name__)
 
 
 class LoggerCallback(RankZeroCallback[AbstractTrainer]):
@@ -24,6 +30,10 @@ class LoggerCallback(RankZeroCallback[AbstractTrainer]):
     Files are flushed at the end of every epoch and validation, and closed in `on_teardown`
     (every path: finished, stopped, preempted or failed). Not critical: a failing disk never
     stops training.
+
+    A value that is not a number (only a dispatch that bypasses the trainer's checks can
+    bring one) is left out of every sink with a warning, once per name; the other values of
+    the call are written.
 
     A console sink too, by `verbosity`: 0 (default) prints nothing, 1 a summary line per
     epoch (its mean training loss and the latest validation and epoch metrics), 2 also every
@@ -46,6 +56,7 @@ class LoggerCallback(RankZeroCallback[AbstractTrainer]):
         self._writer: Any = None
         self._file: IO[str] | None = None
         self.log_dir: Path | None = None
+        self._refused: set[str] = set()  # names of non-number values already warned about
 
     def _open(self) -> None:
         self.log_dir = Path(self.trainer.run_dir) / self.subdir
@@ -65,6 +76,7 @@ class LoggerCallback(RankZeroCallback[AbstractTrainer]):
     def on_log(self, metrics: dict[str, float], step: int) -> None:
         if self.log_dir is None:
             self._open()
+        metrics = self._numbers(metrics, step)
         if self._writer is not None:
             for name, value in metrics.items():
                 self._writer.add_scalar(name, value, global_step=step)
@@ -74,6 +86,21 @@ class LoggerCallback(RankZeroCallback[AbstractTrainer]):
             self._file.write(json.dumps(record) + "\n")
         if self.verbosity >= 2:
             self._print(f"step {step}: " + "  ".join(f"{k}={_short(v)}" for k, v in metrics.items()))
+
+    def _numbers(self, metrics: dict[str, Any], step: int) -> dict[str, float]:
+        """The values as floats; a value that is not a number would break a sink (and with it
+        the whole call): left out, with a warning once per name."""
+        out: dict[str, float] = {}
+        for name, value in metrics.items():
+            if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+                out[name] = float(value)  # on_log runs on log steps: a read is expected there
+            elif isinstance(value, numbers.Real):
+                out[name] = float(value)
+            elif name not in self._refused:
+                self._refused.add(name)
+                logger.warning("LoggerCallback: metric %r=%r (%s) at step %d is not a number: it is not written "
+                               "(warned once per name)", name, value, type(value).__name__, step)
+        return out
 
     def _print(self, line: str) -> None:
         print(line, file=self.console or sys.stdout, flush=True)

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import deque
-import resource
 import statistics
-import sys
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dream_trainer.callbacks.base import RankZeroCallback
+from dream_trainer.callbacks.monitors.throughput import device_peak_flops, model_flops
 from dream_trainer.trainer.base import BaseTrainer
+from dream_trainer.world.memory import MB
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,11 @@ class PerformanceReport(RankZeroCallback[BaseTrainer]):
       backward), in the optimizer step (clip, update, zero_grad, schedulers) and the rest
       (callbacks, logging, checkpointing) — from ``trainer.step_stats``;
     - throughput: samples/s and tokens/s (this rank, and across data-parallel ranks);
-    - peak memory (the device's on CUDA, the process's resident set on CPU), compile time
+    - model FLOP/s per device from ``trainer.model_flops_per_token`` (or
+      ``model_flops_per_sample`` for batches without tokens), and MFU when the peak is known
+      (`peak_flops` per device, or a known GPU);
+    - peak memory since `fit()` started training (``trainer.world.memory_status()``: the
+      device's allocated memory on CUDA, the process's resident set on CPU), compile time
       (from a `CompileMonitor`, if there is one);
     - findings, computed from those numbers: a dataloader-, optimizer- or callback-bound
       run, irregular step times, a long warm-up; or none.
@@ -50,12 +54,16 @@ class PerformanceReport(RankZeroCallback[BaseTrainer]):
 
     def __init__(self, output_dir: str | Path | None = None, warmup_steps: int = 2, measure_every: int | None = None,
                  data_bound: float = 0.2, optimizer_bound: float = 0.3, callback_bound: float = 0.15,
-                 irregular: float = 1.5, keep_steps: int = 10_000):
+                 irregular: float = 1.5, keep_steps: int = 10_000, peak_flops: float | None = None):
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"PerformanceReport(warmup_steps={warmup_steps!r}) is invalid: expected an int >= 0")
         if measure_every is not None and (isinstance(measure_every, bool) or not isinstance(measure_every, int) or measure_every < 1):
             raise ValueError(f"PerformanceReport(measure_every={measure_every!r}) is invalid: expected an int >= 1 or None")
+        if peak_flops is not None and (isinstance(peak_flops, bool) or not isinstance(peak_flops, (int, float))
+                                       or not peak_flops > 0):
+            raise ValueError(f"PerformanceReport(peak_flops={peak_flops!r}) is invalid: expected FLOP/s > 0 or None")
         self.output_dir = Path(output_dir) if output_dir is not None else None
+        self.peak_flops = peak_flops
         self.warmup_steps, self.measure_every = warmup_steps, measure_every
         self.thresholds = {"data": data_bound, "optimizer": optimizer_bound, "callbacks": callback_bound, "irregular": irregular}
         self.rows: deque[dict[str, float]] = deque(maxlen=keep_steps)  # bounded: a long run does not grow
@@ -64,8 +72,8 @@ class PerformanceReport(RankZeroCallback[BaseTrainer]):
         self._samples0: tuple[int, int | None, int, int | None] | None = None
 
     def pre_fit(self) -> None:
+        self.trainer.world.reset_peak_memory()  # the peak of the training, not of the setup
         if self._on_cuda():
-            torch.cuda.reset_peak_memory_stats(self.trainer.world.device)
             # The synchronizing hooks exist only on CUDA: on CPU measuring costs one hook.
             self.trainer.callbacks.add(_SyncMeasuredSteps(self), name=f"{type(self).__name__}.sync")
 
@@ -136,7 +144,9 @@ class PerformanceReport(RankZeroCallback[BaseTrainer]):
             "throughput": {"samples_per_s_per_rank": per_rank_samples, "samples_per_s": per_rank_samples * dp,
                            "tokens_per_s_per_rank": per_rank_tokens,
                            "tokens_per_s": per_rank_tokens * dp if per_rank_tokens is not None else None},
-            "peak_memory_mb": self._peak_memory_mb(), "memory_kind": "device allocated" if self._cuda else "process RSS",
+            "flops": self._flops(per_rank_samples * dp, per_rank_tokens * dp if per_rank_tokens is not None else None),
+            "peak_memory_mb": trainer.world.memory_status().peak_allocated / MB,
+            "memory_kind": "device allocated" if self._cuda else "process RSS",
             "compile_time_s": compile_s,
             "device": str(trainer.world.device), "world_size": trainer.world.world_size,
         }
@@ -167,11 +177,18 @@ class PerformanceReport(RankZeroCallback[BaseTrainer]):
                          "training_step (forward and backward)")
         return found
 
-    def _peak_memory_mb(self) -> float:
-        if self._cuda:
-            return torch.cuda.max_memory_allocated(self.trainer.world.device) / 2**20
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-        return peak / (2**20 if sys.platform == "darwin" else 2**10)
+    def _flops(self, samples_per_s: float, tokens_per_s: float | None) -> dict[str, float | None]:
+        """Model FLOP/s (from the trainer's FLOPs per token or per sample) and MFU."""
+        trainer = self.trainer
+        per_token, ranks = trainer.model_flops_per_token, trainer.world.world_size
+        achieved = model_flops(trainer, samples_per_s, tokens_per_s, per_token)
+        peak = self.peak_flops if self.peak_flops is not None else device_peak_flops(trainer.world.device)
+        return {
+            "model_flops_per_token": per_token, "model_flops_per_sample": trainer.model_flops_per_sample,
+            "tflops_per_device": achieved / ranks / 1e12 if achieved is not None else None,
+            "peak_tflops_per_device": peak / 1e12 if peak else None,
+            "mfu": achieved / (peak * ranks) if achieved is not None and peak else None,
+        }
 
 
 def _q(values: list[float], q: float) -> float:
@@ -200,6 +217,10 @@ def _markdown(r: dict[str, Any]) -> str:
         f"- {tokens}{th['samples_per_s']:,.1f} samples/s ({th['samples_per_s_per_rank']:,.1f} per rank)",
         f"- peak memory: {r['peak_memory_mb']:,.0f} MiB ({r['memory_kind']})",
     ]
+    f = r["flops"]
+    if f["tflops_per_device"] is not None:
+        mfu = f", MFU {100 * f['mfu']:.1f} % of {f['peak_tflops_per_device']:,.0f} TFLOP/s" if f["mfu"] is not None else ""
+        lines.append(f"- model FLOPs: {f['tflops_per_device']:,.4g} TFLOP/s per device{mfu}")
     if r["compile_time_s"] is not None:
         lines.append(f"- compile time: {r['compile_time_s']:.2f} s")
     if r["warmup_step_time_s"]:

@@ -39,8 +39,13 @@ class ProfileCallback(Callback[AbstractTrainer]):
     does not keep growing memory; training goes on, or ends with `StopTraining` when
     ``stop_training=True``. The profiler is stopped on every other path too (`on_teardown`).
     Pass your own ``torch.profiler.profile`` as `profiler` to choose everything yourself:
-    give it a finite ``schedule`` (with ``repeat`` > 0); its ``on_trace_ready``, if any, runs
-    before the exports. Not critical: a failing export is logged, never stops training.
+    give it a finite ``schedule`` (with ``repeat`` > 0). Its ``on_trace_ready`` (e.g.
+    ``tensorboard_trace_handler(dir)``) still runs every cycle, and the callback writes its
+    table after it (and stacks / memory timeline where that profiler records them). torch
+    saves a cycle's trace only once, so a trace your handler saves is that cycle's trace
+    (listed in `exported`) and the callback writes its own ``.pt.trace.json`` only when your
+    handler saved none; this is logged once, when profiling starts. Not critical: a failing
+    export is logged, never stops training.
 
     Attributes:
         exported: the files written, in order.
@@ -83,6 +88,7 @@ class ProfileCallback(Callback[AbstractTrainer]):
         self.exported: list[Path] = []
         self._schedule = (wait, warmup, active, repeat, skip_first)
         self._profiler = profiler
+        self._user_given = profiler is not None
         self._user_ready: Callable[..., Any] | None = None
         self._steps = 0
         self._total_steps = skip_first + repeat * (wait + warmup + active)
@@ -136,9 +142,7 @@ class ProfileCallback(Callback[AbstractTrainer]):
                 experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True) if self.with_stack else None,
             )
         else:
-            self._user_ready = self._profiler.on_trace_ready
-            self._profiler.on_trace_ready = self._export
-            self._total_steps = _schedule_length(self._profiler)  # type: ignore[assignment]  (checked in __init__)
+            self._take_users_profiler(self._profiler)
         if self.memory_snapshot and self._on_cuda():
             torch.cuda.memory._record_memory_history()
         self._profiler.start()
@@ -159,28 +163,76 @@ class ProfileCallback(Callback[AbstractTrainer]):
                 self.exported.append(path)
             finally:
                 torch.cuda.memory._record_memory_history(enabled=None)
+        if self._user_given:  # the user's profiler gets its own handler back
+            self._profiler.on_trace_ready = self._user_ready  # type: ignore[union-attr]
         self._profiler = None  # the recorded events go with it
 
-    def _export(self, prof: torch.profiler.profile) -> None:
-        """``on_trace_ready``: write this cycle's files."""
+    def _take_users_profiler(self, prof: torch.profiler.profile) -> None:
+        """Route a user's profiler through `_export`, keeping its ``on_trace_ready``."""
+        self._user_ready = prof.on_trace_ready
+        prof.on_trace_ready = self._export
+        self._total_steps = _schedule_length(prof)  # type: ignore[assignment]  (checked in __init__)
         if self._user_ready is not None:
-            self._user_ready(prof)
+            logger.info(
+                "ProfileCallback: the profiler passed in has its own on_trace_ready (%s); it runs every cycle and "
+                "the callback writes its table%s into %s after it. torch saves a cycle's trace once, so the trace "
+                "your handler saves is that cycle's trace (listed in ProfileCallback.exported): the callback writes "
+                "its own rank<R>.step<N>.pt.trace.json only when your handler saved none.",
+                getattr(self._user_ready, "__qualname__", type(self._user_ready).__name__),
+                " and stacks" if prof.with_stack else "", self.output_dir,
+            )
+
+    def _export(self, prof: torch.profiler.profile) -> None:
+        """``on_trace_ready``: the user's handler, if any, and this cycle's trace unless that
+        handler saved it; then the tables (saving the trace leaves the events readable). One
+        failing part does not skip the other; the first error is raised after both ran."""
+        errors: list[Exception] = []
+        for part in (self._export_traces, self._export_tables):
+            try:
+                part(prof)
+            except Exception as error:  # noqa: BLE001 - raised below, after the other part
+                errors.append(error)
+        if errors:
+            raise errors[0]
+
+    def _export_traces(self, prof: torch.profiler.profile) -> None:
+        saved: list[Path] = []
+        try:
+            if self._user_ready is not None:
+                saved = _call_recording_traces(self._user_ready, prof)
+                self.exported.extend(saved)
+        finally:  # also when the user's handler failed: this cycle's trace is not lost
+            if not saved:
+                self._export_trace(prof)
+
+    def _export_tables(self, prof: torch.profiler.profile) -> None:
         cuda = self._on_cuda()
-        trace = self._path("", "pt.trace.json")
-        prof.export_chrome_trace(str(trace))
-        self.exported.append(trace)
-        sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
+        metric = "self_device_time_total" if cuda else "self_cpu_time_total"
         table = self._path("key_averages", "txt")
-        table.write_text(prof.key_averages().table(sort_by=sort_by, row_limit=self.row_limit))
+        table.write_text(prof.key_averages().table(sort_by=metric, row_limit=self.row_limit))
         self.exported.append(table)
-        if self.with_stack:
+        # a user's profiler decides what it records: only export what it has
+        with_stack = prof.with_stack if self._user_given else self.with_stack
+        if with_stack:
             stacks = self._path("stacks", "txt")
-            prof.export_stacks(str(stacks), metric="self_device_time_total" if cuda else "self_cpu_time_total")
+            prof.export_stacks(str(stacks), metric=metric)
             self.exported.append(stacks)
-        if cuda and self.profile_memory:
+        if cuda and prof.profile_memory and prof.record_shapes and prof.with_stack:  # what the timeline needs
             timeline = self._path("memory_timeline", "html")
             prof.export_memory_timeline(str(timeline), device=str(self.trainer.world.device))
             self.exported.append(timeline)
+
+    def _export_trace(self, prof: torch.profiler.profile) -> None:
+        trace = self._path("", "pt.trace.json")
+        try:
+            prof.export_chrome_trace(str(trace))
+        except RuntimeError as error:
+            if "already saved" not in str(error):
+                raise
+            # the user's handler saved it without going through prof.export_chrome_trace
+            logger.debug("this cycle's trace was saved by the profiler's own on_trace_ready: %s", error)
+            return
+        self.exported.append(trace)
 
     def _on_cuda(self) -> bool:
         return torch.cuda.is_available() and self.trainer.world.device.type == "cuda"
@@ -189,6 +241,25 @@ class ProfileCallback(Callback[AbstractTrainer]):
         assert self.output_dir is not None
         name = f"rank{self.trainer.world.rank}" + (f".step{self.trainer.global_step}" if step else "")
         return self.output_dir / (f"{kind}.{name}.{suffix}" if kind else f"{name}.{suffix}")
+
+
+def _call_recording_traces(handler: Callable[..., Any], prof: torch.profiler.profile) -> list[Path]:
+    """Call a user's ``on_trace_ready`` and return the trace files it exported (through
+    ``prof.export_chrome_trace``, as torch's handlers do)."""
+    saved: list[Path] = []
+    export = prof.export_chrome_trace
+
+    def recording(path: str, *args: Any, **kwargs: Any) -> Any:
+        result = export(path, *args, **kwargs)
+        saved.append(Path(path))
+        return result
+
+    prof.export_chrome_trace = recording  # type: ignore[method-assign]  (this instance, this call only)
+    try:
+        handler(prof)
+    finally:
+        del prof.export_chrome_trace  # the class's method again
+    return saved
 
 
 def _schedule_length(profiler: torch.profiler.profile) -> int | None:

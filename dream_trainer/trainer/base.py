@@ -84,6 +84,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin, PreemptionMixi
         self._skip_flag: tuple[torch.Tensor, str] | None = None
         self._skip_batch_reason: str | None = None
         self._grad_norm_wanted = self._track_backward_loss = self._stepped = self._step_open = False
+        self._step_agreed = False
         self.display_fields: dict[str, str] = {}  # short status strings monitors publish for displays
         self._step_end = self._fetch_start = 0.0
         self._optimizer_params: dict[int, list[nn.Parameter]] = {}
@@ -142,6 +143,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin, PreemptionMixi
         if not self.world.global_agreement((self.seed, self.train_steps_per_epoch)):
             raise RuntimeError("ranks disagree on the seed or the epoch length; see the configuration")
         self._check_metric_schedulers()
+        self._check_recovery()
 
     @_must_override
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
@@ -304,13 +306,8 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin, PreemptionMixi
                 self._batch_arrived(batch)
                 if move:
                     batch = to_device(batch, self.world.device)
-                cb.pre_train_step(batch, batch_idx)
-                skipped = cb.skips_batches and self._skip_batch(ends_step=not accumulating)
-                if not skipped:
-                    started = time.perf_counter()
-                    result = self._run_step(self.training_step, batch, batch_idx, "train_context", accumulating)
-                    self.step_stats.compute_s += time.perf_counter() - started
-                    self.step_stats.add_loss(result.get("loss"))
+                step = self.global_step + 1
+                skipped, result = self._train_batch(batch, batch_idx, accumulating)
                 if not accumulating:
                     self._end_step()
                 log = self._log_gate and not self.step_skipped
@@ -321,6 +318,8 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin, PreemptionMixi
                     if isinstance(loss, torch.Tensor) and loss.ndim == 0:
                         loss_sum = loss.float() if loss_sum is None else loss_sum + loss.float()
                         n_losses += 1
+                if not accumulating:
+                    cb.on_step_end(step)
                 if log:
                     self._log_train_step(own)
                 self._log_gate = None
@@ -440,8 +439,11 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin, PreemptionMixi
                 f"TrainingParameters.scheduler_monitor={monitor!r} has not been logged by step {self.global_step}; "
                 f"logged metrics: {sorted(self.logged_metrics)}"
             )
+        others = [s for s in self.named_schedulers().values() if hasattr(s, "base_lrs")]
         for scheduler in schedulers.values():
+            before = [group["lr"] for group in scheduler.optimizer.param_groups]
             scheduler.step(self.logged_metrics[monitor])
+            _carry_reduction(scheduler.optimizer, before, others)
 
     def _agree_on_run_identity(self) -> None:
         """Every rank takes rank 0's run name, directory and seed. Run name: the config's,
@@ -455,6 +457,20 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin, PreemptionMixi
         self.run_dir = Path(run_dir)
         if self.world.is_rank_zero:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _carry_reduction(optimizer: Any, before: list[float], schedulers: list[Any]) -> None:
+    """A plateau scheduler just scaled some learning rates of `optimizer`: scale the
+    ``base_lrs`` (and ``initial_lr``) of the step schedulers on it alike, so that their next
+    step (which sets ``lr = base_lr * factor``) keeps the reduction instead of undoing it."""
+    for i, (group, old) in enumerate(zip(optimizer.param_groups, before)):
+        if old and group["lr"] != old:
+            scale = group["lr"] / old
+            if "initial_lr" in group:
+                group["initial_lr"] *= scale
+            for scheduler in schedulers:
+                if scheduler.optimizer is optimizer:
+                    scheduler.base_lrs[i] *= scale
 
 
 def _check_plan(world: DistributedWorld) -> None:

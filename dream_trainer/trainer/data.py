@@ -67,6 +67,42 @@ class DataMixin(AbstractTrainer):
     _resume_rng: dict[str, Any] | None
     _epoch_start_state: dict[str, Any] | None
     _resume_epoch_start: dict[str, Any] | None
+    _train_loader_batches: int | None = None  # the smallest len(train loader) over ranks (setup)
+    _train_length_agreed = False  # setup agreed on the training epoch length
+
+    # ------------------------------------------------------------------ the plan
+    @property
+    def total_steps(self) -> int | None:
+        """The optimizer steps the whole fit is planned to take, counted from step 0 (also
+        after a resume): ``max_steps``, or ``n_epochs`` x the optimizer steps per epoch, the
+        smaller when both are set. Optimizer steps per epoch = ceil(batches per epoch /
+        ``gradient_accumulation_steps``): an epoch's last, partial accumulation group steps
+        too. Batches per epoch: the epoch length the ranks agreed on in `setup`
+        (``train_steps_per_epoch``, or the smallest loader length over ranks; the smaller of
+        the two when both are known), else — a loader without a length —
+        ``TrainingParameters.train_steps_per_epoch_hint``, an estimate.
+
+        None when it is unknown: the run is bounded by epochs of a loader without a length
+        and no hint was given (or `setup` has not run: only ``max_steps`` is known before).
+        A plan: steps that are skipped (vetoes, skipped batches) do not shorten it. The same
+        on every rank (it is computed from the configuration and the agreed epoch length),
+        known from ``post_setup`` on, and cheap (no communication): read it anywhere."""
+        tp = self.training_parameters  # type: ignore[attr-defined]
+        by_epochs = None
+        batches = self._planned_epoch_batches()
+        if tp.n_epochs is not None and batches is not None:
+            by_epochs = tp.n_epochs * -(-batches // tp.gradient_accumulation_steps)
+        candidates = [n for n in (tp.max_steps, by_epochs) if n is not None]
+        return min(candidates) if candidates else None
+
+    def _planned_epoch_batches(self) -> int | None:
+        """Batches per training epoch for `total_steps` (None: unknown)."""
+        known = [n for n in (self.train_steps_per_epoch, self._train_loader_batches) if n is not None]
+        if known:
+            return min(known)
+        if not self._train_length_agreed:
+            return None
+        return self.training_parameters.train_steps_per_epoch_hint  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ iterating
     def _epoch_batches(self) -> Iterator[tuple[Any, bool]]:
@@ -119,8 +155,10 @@ class DataMixin(AbstractTrainer):
         except TypeError:
             length = None
         lengths = self.world.all_gather_object(length)
+        known = [n for n in lengths if n is not None]
+        if what == "train":  # for `total_steps`
+            self._train_loader_batches, self._train_length_agreed = min(known, default=None), True
         if configured is not None:
-            known = [n for n in lengths if n is not None]
             if known and min(known) < configured:
                 logger.warning("%s_steps_per_epoch=%d but a %s loader has only %d batches", what, configured, what, min(known))
             return configured

@@ -23,8 +23,20 @@ from torch.optim import Optimizer
 
 from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.trainer.telemetry import StepStats, count_batch
+from dream_trainer.utils import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
+
+_MAX_RETRIES = 4
+"""How often one (micro-)batch is retried after failures the callbacks recover."""
+
+
+class _PeerStepFailed(Exception):
+    """Raised in `backward` on a rank whose step went through when another rank's failed."""
+
+
+class _Retry(Exception):
+    """Every rank retries the (micro-)batch."""
 
 
 class StepMixin(AbstractTrainer):
@@ -45,6 +57,7 @@ class StepMixin(AbstractTrainer):
     _skip_batch_reason: str | None
     _grad_norm_wanted: bool
     _track_backward_loss: bool
+    _step_agreed: bool
     _stepped: bool
     _step_open: bool
     _step_end: float
@@ -55,7 +68,13 @@ class StepMixin(AbstractTrainer):
 
     # ------------------------------------------------------------------ user API
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward()``, scaled by 1/gradient_accumulation_steps when accumulating."""
+        """``loss.backward()``, scaled by 1/gradient_accumulation_steps when accumulating.
+        With a callback that ``recovers_errors``, the ranks first agree that no rank's
+        ``training_step`` failed before its backward (see `on_train_step_error`)."""
+        if self.callbacks.recovers_errors and not self._step_agreed:
+            self._step_agreed = True
+            if self._any_rank(False):  # another rank's step failed: this one's work is dropped
+                raise _PeerStepFailed()
         if self._track_backward_loss:  # a monitor decides on this step's loss before its update
             self.step_stats.add_backward(loss)
         accumulation = self.training_parameters.gradient_accumulation_steps  # type: ignore[attr-defined]
@@ -97,9 +116,11 @@ class StepMixin(AbstractTrainer):
             norm = world.total_gradient_norm(self._optimizer_params[key])
         if norm is not None:
             stats.grad_norm[name] = norm
-        stats.lr[name] = optimizer.param_groups[0]["lr"]  # what this step uses (schedulers step after)
         cb = self.callbacks
         vetoes = cb.pre_optimizer_step(model, optimizer)  # type: ignore[arg-type]
+        # What optimizer.step() sees: read after pre_optimizer_step (a warm-up may set it
+        # there); schedulers step after.
+        stats.lr[name] = optimizer.param_groups[0]["lr"]
         if vetoes:
             undeclared = [v for v in vetoes if not cb[v].vetoes_steps]
             if undeclared:
@@ -194,8 +215,76 @@ class StepMixin(AbstractTrainer):
         if not self._step_open:
             stats.begin()
             self._step_open, self._stepped = True, False
+            self.callbacks.on_step_begin(self.global_step + 1)
         stats.data_wait_s += now - self._fetch_start
         stats.count(*self.count_batch(batch))
+
+    def _train_batch(self, batch: Any, batch_idx: int, accumulating: bool) -> tuple[bool, dict[str, Any]]:
+        """`pre_train_step` (which may replace the batch), the agreed batch skip and
+        ``training_step``: ``(skipped, result)``. A step whose failure the callbacks recover
+        (`on_train_step_error`) is retried from `pre_train_step`, on the original batch."""
+        cb = self.callbacks
+        rng = rng_state() if cb.recovers_errors else None  # a retry draws what the failed attempt drew
+        for attempt in range(_MAX_RETRIES + 1):
+            if attempt:
+                set_rng_state(rng)  # type: ignore[arg-type]
+            given = cb.pre_train_step(batch, batch_idx)
+            if cb.skips_batches and self._skip_batch(ends_step=not accumulating):
+                return True, {}
+            started = time.perf_counter()
+            try:
+                result = self._recoverable_step(given, batch_idx, accumulating, attempt)
+            except _Retry:
+                continue
+            finally:
+                self.step_stats.compute_s += time.perf_counter() - started
+            self.step_stats.add_loss(result.get("loss"))
+            return False, result
+        raise AssertionError("unreachable: the last attempt raises")  # pragma: no cover
+
+    def _recoverable_step(self, batch: Any, batch_idx: int, accumulating: bool, attempt: int) -> dict[str, Any]:
+        """``training_step`` in its contexts; with ``recovers_errors``, a failure before the
+        step's agreement (in `backward`) is agreed on and offered to the callbacks."""
+        self._step_agreed = False
+        error: Exception | None = None
+        try:
+            result = self._run_step(self.training_step, batch, batch_idx, "train_context", accumulating)  # type: ignore[attr-defined]
+        except Exception as exc:
+            if not self.callbacks.recovers_errors or (self._step_agreed and not isinstance(exc, _PeerStepFailed)):
+                raise  # not armed, or it failed after agreeing (its peers went on)
+            error = None if isinstance(exc, _PeerStepFailed) else exc
+            if error is not None:
+                self._step_agreed = True
+                self._any_rank(True)  # the peers' agreement in backward
+        else:
+            if not self.callbacks.recovers_errors or self._step_agreed or not self._any_rank(False):
+                return result
+        self._step_agreed = True
+        retry = self.callbacks.on_train_step_error(error, batch, batch_idx)  # type: ignore[arg-type]
+        if self._any_rank(not retry) or attempt == _MAX_RETRIES:
+            if error is not None:
+                raise error
+            raise RuntimeError(f"training_step failed on another rank (batch {batch_idx} of epoch "
+                               f"{self.current_epoch}) and was not recovered there")
+        where = f"this rank ({type(error).__name__}: {error})" if error is not None else "another rank"
+        logger.warning("training_step of batch %d failed on %s: retrying it on every rank (retry %d of %d)",
+                       batch_idx, where, attempt + 1, _MAX_RETRIES)
+        raise _Retry()
+
+    def _check_recovery(self) -> None:
+        """A callback that ``recovers_errors`` needs every rank's collectives of a step to
+        start in its backward (one process, DDP/replicate): under FSDP2, tensor or context
+        parallel the forward communicates, and a rank that failed in it could not be
+        matched by the others (they would wait in its collectives)."""
+        plan, cb = self.world.plan, self.callbacks
+        if cb.recovers_errors and (plan.dp_shard > 1 or plan.tp > 1 or plan.cp > 1):
+            names = [n for n in cb.names() if cb[n].recovers_errors]
+            raise ValueError(
+                f"callback(s) {names} recover failed training steps (recovers_errors = True), which needs a layout "
+                f"whose collectives start in backward (one process, DDP/replicate); this one (dp_shard={plan.dp_shard}, "
+                f"tp={plan.tp}, cp={plan.cp}) communicates in the forward: remove the callback or use "
+                "DeviceParameters(dp_replicate=...)"
+            )
 
     def _skip_batch(self, ends_step: bool) -> bool:
         """After `pre_train_step`: whether every rank skips this batch. A skipped batch that
@@ -255,16 +344,23 @@ class StepMixin(AbstractTrainer):
         reason, self._skip_batch_reason = self._skip_batch_reason, None
         return self._agree(reason)
 
+    def _any_rank(self, value: bool) -> bool:
+        """Whether `value` is True on any rank: one MAX all-reduce of an int on the CPU."""
+        world = self.world
+        if world.world_size == 1:
+            return value
+        flag = torch.tensor([int(value)], dtype=torch.int32)
+        world.all_reduce(flag, "max")
+        return bool(flag.item())  # a CPU tensor: no device sync
+
     def _agree(self, reason: str | None) -> str | None:
         """One MAX all-reduce of "does any rank skip" on the CPU; the reasons are gathered
         only when one does."""
         world = self.world
+        if not self._any_rank(reason is not None):
+            return None
         if world.world_size == 1:
             return reason
-        flag = torch.tensor([int(reason is not None)], dtype=torch.int32)
-        world.all_reduce(flag, "max")
-        if not flag.item():  # a CPU tensor: no device sync
-            return None
         reasons = [r for r in world.all_gather_object(reason) if r is not None]
         return reasons[0] if reasons else "skipped on another rank"
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dream_trainer.configs import DeviceParameters
+from dream_trainer.world.memory import MemoryStatus, read_memory_status, reset_peak_memory
 from dream_trainer.world.plan import MESH_DIMS, MeshPlan, plan_mesh
 
 logger = logging.getLogger(__name__)
@@ -410,6 +411,22 @@ class DistributedWorld:
         on `skip_reason` (None: apply it). Returns the reason to skip it, or None. Here:
         `skip_reason` as it is; a fault-tolerant world commits only what its quorum agrees on."""
         return skip_reason
+
+    # ------------------------------------------------------------------ memory
+    def memory_status(self, device: torch.device | str | None = None) -> MemoryStatus:
+        """Memory now, as a `MemoryStatus` (bytes): on CUDA the caching allocator's
+        allocated, reserved and peak bytes of `device` (default: this rank's), on CPU the
+        process's resident set and its peak; the process's resident set in every case.
+        Host-side counters and ``/proc`` only: no device sync, cheap enough for a log step
+        (tens of µs)."""
+        return read_memory_status(torch.device(device) if device is not None else self.device)
+
+    def reset_peak_memory(self) -> bool:
+        """Start the peaks of `memory_status` again from now: the device's (CUDA) and the
+        process's peak resident set (Linux). Returns False when the process's peak could not
+        be reset (no ``/proc/self/clear_refs``): it then stays the peak since the process
+        started."""
+        return reset_peak_memory(self.device)
 
     # ------------------------------------------------------------------ contexts
     def train_context(self) -> AbstractContextManager[Any] | None:

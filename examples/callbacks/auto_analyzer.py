@@ -1,6 +1,10 @@
 """A custom automatic analyzer: watches the step telemetry and says what slows the run, once.
 
     python examples/callbacks/auto_analyzer.py
+
+Corrected here: the earlier version of this example logged each finding's warning on every
+rank (N copies on N ranks); every rank still records the finding and logs ``perf/<name>``,
+but only rank 0 warns.
 """
 
 from __future__ import annotations
@@ -38,21 +42,20 @@ class AutoAnalyzer(Callback[BaseTrainer]):
             return
         total = sum(t for t, _, _ in self.recent)
         times = sorted(t for t, _, _ in self.recent)
-        checks = {
-            "dataloader_bound": (sum(d for _, d, _ in self.recent) / total > self.data_share,
+        p90_over_median = times[int(0.9 * (len(times) - 1))] / statistics.median(times)
+        checks = {  # name: (value, threshold, advice)
+            "dataloader_bound": (sum(d for _, d, _ in self.recent) / total, self.data_share,
                                  "the dataloader takes {:.0%} of each step: more workers, pinned memory"),
-            "optimizer_bound": (sum(o for _, _, o in self.recent) / total > self.optimizer_share,
+            "optimizer_bound": (sum(o for _, _, o in self.recent) / total, self.optimizer_share,
                                 "the optimizer takes {:.0%} of each step: a fused or foreach optimizer"),
-            "irregular_steps": (times[int(0.9 * (len(times) - 1))] > self.spread * statistics.median(times),
+            "irregular_steps": (p90_over_median, self.spread,
                                 "step times vary (p90 {:.1f}x the median): recompiles, GC, stragglers"),
         }
-        shares = {"dataloader_bound": sum(d for _, d, _ in self.recent) / total,
-                  "optimizer_bound": sum(o for _, _, o in self.recent) / total,
-                  "irregular_steps": times[int(0.9 * (len(times) - 1))] / statistics.median(times)}
-        for name, (found, text) in checks.items():
-            if found and name not in self.findings:
-                self.findings[name] = text.format(shares[name])
-                logger.warning("step %d: %s", trainer.global_step, self.findings[name])
+        for name, (value, threshold, text) in checks.items():
+            if value > threshold and name not in self.findings:
+                self.findings[name] = text.format(value)
+                if trainer.world.is_rank_zero:  # once per run, not once per rank
+                    logger.warning("step %d: %s", trainer.global_step, self.findings[name])
                 trainer.log_scalar(f"perf/{name}", 1.0)
 
 

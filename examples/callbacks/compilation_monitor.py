@@ -1,6 +1,15 @@
 """A custom compilation monitor: how much time torch.compile spends, and when.
 
     python examples/callbacks/compilation_monitor.py --compile
+
+What the original got wrong: it patched ``torch.compile`` to time it, after DreamTrainer
+had already compiled the model (``apply_compile``, in ``configure``), so its wrapper was
+never called and it reported nothing; patching a torch function also changes it for every
+other user. And ``torch.compile`` only wraps: the work happens later. Dynamo
+compiles lazily, at a region's first call (and again at every recompile), so this version
+patches nothing: it registers dynamo's compile start/end callbacks
+(``torch._dynamo.callback.callback_handler``) in ``post_configure``, after the regions
+were wrapped and before anything calls them, and removes them in ``on_teardown``.
 """
 
 from __future__ import annotations
@@ -17,8 +26,10 @@ logger = logging.getLogger(__name__)
 class CompilationMonitor(Callback[DreamTrainer]):
     """Counts dynamo's compile events and their time; logs ``compile/events`` and
     ``compile/seconds`` on log steps and warns when something compiles after `warmup_steps`
-    (a recompile in the steady state costs a compile every time it happens). For per-region
-    numbers and recompile reasons use the shipped ``CompileMonitor``."""
+    (a recompile in the steady state costs a compile every time it happens). A region's
+    first call under validation compiles once more (no-grad is a new guard): in the demo
+    that is the sanity validation, at step 0. For per-region numbers and recompile reasons
+    use the shipped ``CompileMonitor``."""
 
     critical = False
 
@@ -27,19 +38,27 @@ class CompilationMonitor(Callback[DreamTrainer]):
         self.events: list[tuple[int, float]] = []  # (global step, seconds)
         self.trainer_regions: list[str] = []
         self._started: dict[str, float] = {}
+        self._registered = False
 
-    def pre_fit(self) -> None:
+    def post_configure(self) -> None:
         import torch._dynamo.callback as dynamo
 
-        self.trainer_regions = list(self.trainer.compiled_modules)
+        self.trainer_regions = list(self.trainer.compiled_modules)  # wrapped, not compiled yet
         dynamo.callback_handler.register_start_callback(self._start)
         dynamo.callback_handler.register_end_callback(self._end)
+        self._registered = True
 
     def on_teardown(self, status: str) -> None:
         import torch._dynamo.callback as dynamo
 
-        dynamo.callback_handler.remove_start_callback(self._start)
-        dynamo.callback_handler.remove_end_callback(self._end)
+        if not self._registered:  # the run ended before post_configure
+            return
+        self._registered = False
+        handler = dynamo.callback_handler  # torch._dynamo.reset() may have cleared it already
+        if self._start in handler.start_callbacks:
+            handler.remove_start_callback(self._start)
+        if self._end in handler.end_callbacks:
+            handler.remove_end_callback(self._end)
 
     def _start(self, args: Any) -> None:
         self._started[str(args.compile_id)] = time.perf_counter()

@@ -1,6 +1,11 @@
 """A custom performance reporter: a one-page summary of the run's step times, written at the end.
 
     python examples/callbacks/performance_reporter.py
+
+Corrected here: the earlier version of this example skipped the first steps by
+``global_step``, so after a resume (which starts at the checkpoint's step) the slow first
+steps of the new process (compiles, allocator warm-up) were measured. This version skips
+the first `skip_first` steps this process runs.
 """
 
 from __future__ import annotations
@@ -23,10 +28,14 @@ class PerformanceReporter(RankZeroCallback[BaseTrainer]):
         self.skip_first = skip_first
         self.steps: list[tuple[float, float]] = []
         self.path: Path | None = None
+        self._seen = 0  # optimizer steps run by this process (a resume starts again at 0)
 
     def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
         trainer = self.trainer
-        if not trainer.is_accumulating_gradients and trainer.global_step > self.skip_first:
+        if trainer.is_accumulating_gradients:
+            return
+        self._seen += 1
+        if self._seen > self.skip_first:  # step_time_s leaves validation out
             self.steps.append((trainer.step_stats.step_time_s, trainer.step_stats.data_wait_s))
 
     def on_teardown(self, status: str) -> None:

@@ -1,11 +1,18 @@
 """A custom throughput monitor: tokens/s and samples/s over each logging window.
 
     python examples/callbacks/throughput_monitor.py
+
+What the original got wrong: it computed samples/s from ``config.batch_size``, which does
+not exist in dream-trainer's config (and a configured batch size would be wrong anyway for
+an epoch's last, short batch or per data-parallel rank). The trainer counts every
+micro-batch itself (``trainer.count_batch``) into ``trainer.step_stats``; this version
+reads the world totals there. It also times the window with the steps' own
+times (``step_stats.step_time_s``), so a validation run inside a window does not count as
+training time, and it skips steps whose update was skipped.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from dream_trainer import BaseTrainer, Callback
@@ -19,23 +26,27 @@ class ThroughputMonitor(Callback[BaseTrainer]):
     critical = False  # a monitor must never stop training
 
     def __init__(self) -> None:
-        self.last: tuple[float, int, int] | None = None  # (time, world samples, world tokens)
+        self.last: tuple[int, int] | None = None  # world (samples, tokens) at the last log step
+        self.elapsed = 0.0  # training time since then: the steps' own times
         self.history: list[dict[str, float]] = []
 
     def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
         trainer = self.trainer
-        if trainer.is_accumulating_gradients or trainer.global_step % trainer.logging_parameters.log_every_n_steps:
+        if trainer.is_accumulating_gradients:
             return
-        stats, now = trainer.step_stats, time.perf_counter()
-        if self.last is not None:  # the world totals are current on the trainer's log steps
-            then, samples, tokens = self.last
-            elapsed = now - then
-            metrics = {"train/samples_per_sec": (stats.world_samples - samples) / elapsed}
+        stats = trainer.step_stats
+        self.elapsed += stats.step_time_s  # validation is left out of step_time_s
+        # the world totals are refreshed on the trainer's own log steps only (not after a skipped step)
+        if trainer.step_skipped or trainer.global_step % trainer.logging_parameters.log_every_n_steps:
+            return
+        if self.last is not None and self.elapsed > 0:
+            samples, tokens = self.last
+            metrics = {"train/samples_per_sec": (stats.world_samples - samples) / self.elapsed}
             if stats.world_tokens is not None:
-                metrics["train/tokens_per_sec"] = (stats.world_tokens - tokens) / elapsed
+                metrics["train/tokens_per_sec"] = (stats.world_tokens - tokens) / self.elapsed
             self.history.append(metrics)
             trainer.log_dict(metrics)
-        self.last = (now, stats.world_samples, stats.world_tokens or 0)
+        self.last, self.elapsed = (stats.world_samples, stats.world_tokens or 0), 0.0
 
 
 def main(argv: list[str] | None = None) -> tuple[Any, ThroughputMonitor]:

@@ -123,3 +123,55 @@ def _fallback(root):
 def test_a_callback_supplies_the_world(tmp_path):
     zero, one = spawn_world(2, _fallback, str(Path(tmp_path)), timeout=120)
     assert zero == one == ("DDPSequential", {}, "ddp")  # replicated by DDP, nothing sharded
+
+
+class RankFails(ToyTrainer):
+    """training_step raises (as a CUDA OOM would) on one rank at one batch, once."""
+
+    def __init__(self, config, fail=None, **kwargs):
+        super().__init__(config, **kwargs)
+        self.fail = fail  # (rank, batch_idx)
+
+    def training_step(self, batch, batch_idx):
+        if self.fail is not None and (self.world.rank, batch_idx) == self.fail:
+            self.fail = None
+            raise torch.OutOfMemoryError("CUDA out of memory (injected on one rank)")
+        return super().training_step(batch, batch_idx)
+
+
+class RetryOn(Callback):
+    recovers_errors = True
+
+    def __init__(self, ranks):
+        self.ranks, self.errors = ranks, []
+
+    def on_train_step_error(self, error, batch, batch_idx):
+        self.errors.append((None if error is None else type(error).__name__, batch_idx))
+        return self.trainer.world.rank in self.ranks
+
+
+def _recovered(root, fail, retry_ranks, device="ddp"):
+    retry, full = RetryOn(retry_ranks), FullParams()
+    devices = {"ddp": DeviceParameters.DDP(), "fsdp": DeviceParameters.FSDP(dp_shard=2)}
+    trainer = RankFails(_config(root, devices[device], [retry, full]), fail=fail, batch_size=8, dropout=0.1)
+    try:
+        trainer.fit()
+    except Exception as exc:  # noqa: BLE001 - returned to the test
+        return {"error": f"{type(exc).__name__}: {exc}", "errors": retry.errors}
+    return {"step": trainer.global_step, "errors": retry.errors, "params": full.params}
+
+
+def test_a_step_that_failed_on_one_rank_is_retried_on_both(tmp_path):
+    clean, _ = spawn_world(2, _recovered, str(tmp_path / "clean"), None, (0, 1), timeout=120)
+    zero, one = spawn_world(2, _recovered, str(tmp_path / "fail"), (1, 3), (0, 1), timeout=120)
+    assert zero["errors"] == [(None, 3)] and one["errors"] == [("OutOfMemoryError", 3)]  # every rank is told
+    assert zero["step"] == one["step"] == clean["step"] == 12
+    for key, value in clean["params"].items():  # as if it never failed (the error came before any RNG draw)
+        assert torch.equal(zero["params"][key], value) and torch.equal(one["params"][key], value), key
+    # rank 0 does not recover: both ranks end (no hang), each with its own error
+    zero, one = spawn_world(2, _recovered, str(tmp_path / "refused"), (1, 3), (1,), timeout=120)
+    assert one["error"].startswith("OutOfMemoryError: CUDA out of memory (injected"), one
+    assert zero["error"].startswith("RuntimeError: training_step failed on another rank (batch 3"), zero
+    # FSDP2 communicates in the forward: refused at setup, before any step
+    zero, _ = spawn_world(2, _recovered, str(tmp_path / "fsdp"), None, (0, 1), "fsdp", timeout=120)
+    assert zero["error"].startswith("ValueError: callback(s) ['RetryOn'] recover failed training steps") and not zero["errors"]

@@ -2,6 +2,7 @@
 examples/callbacks, which the page includes) on the GPT demo."""
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -38,15 +39,20 @@ def test_throughput_monitor(tmp_path):
 
 
 def test_compilation_monitor(tmp_path):
+    import torch._dynamo.callback as dynamo
+
     trainer, monitor = _run("compilation_monitor", tmp_path, "--compile", "--n-layer", "1", "--d-model", "32", "--n-head", "2")
     assert monitor.trainer_regions == ["model.blocks.0"] and monitor.events and all(s > 0 for _, s in monitor.events)
+    assert monitor.events[0][0] == 0  # the first compile, at the first call: seen (registered before it)
     assert trainer.logged_metrics["compile/events"] == len(monitor.events)
+    assert monitor._start not in dynamo.callback_handler.start_callbacks  # removed at teardown
 
 
 def test_memory_profiler(tmp_path):
     trainer, profiler = _run("memory_profiler", tmp_path)
     assert [s for s, _ in profiler.peaks] == [5, 10, 15, 20, 25, 30] and all(mb > 50 for _, mb in profiler.peaks)
-    assert trainer.logged_metrics["train/memory_peak_mb"] == profiler.peaks[-1][1]
+    assert trainer.logged_metrics["train/memory_window_peak_mb"] == profiler.peaks[-1][1]
+    assert profiler.snapshot is None and not profiler._recording  # no snapshot asked (and none on CPU)
 
 
 def test_performance_reporter(tmp_path):
@@ -62,3 +68,14 @@ def test_auto_analyzer_finds_a_slow_dataloader(tmp_path, delay_ms):
     assert ("dataloader_bound" in analyzer.findings) is (delay_ms > 0)
     if delay_ms:
         assert trainer.logged_metrics["perf/dataloader_bound"] == 1.0
+
+
+@pytest.mark.parametrize("name", ["throughput_monitor", "compilation_monitor", "memory_profiler",
+                                  "performance_reporter", "auto_analyzer"])
+def test_each_example_runs_as_a_script(tmp_path, name):
+    """``python examples/callbacks/<name>.py`` (a few steps): the script's own entry point."""
+    argv = ["--steps", "6", "--val-every", "3", "--log-every", "2", "--root-dir", str(tmp_path), "--run-name", name]
+    done = subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py"), *argv], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "validation loss by step" in done.stdout and "Traceback" not in done.stderr

@@ -5,6 +5,7 @@ region) and PerformanceReport (the dataloader named when it is the bottleneck)."
 
 import inspect
 import json
+import logging
 import time
 
 import pytest
@@ -74,6 +75,60 @@ def test_a_users_profiler_is_stopped_when_the_run_fails(tmp_path):
     with pytest.raises(RuntimeError, match="boom"):
         Fails(config([prof])).fit()
     assert not prof.running and not torch.autograd._profiler_enabled()
+
+
+def _users_profiler(on_trace_ready, **kwargs):
+    """A profiler as users build it: two cycles of 2 recorded steps, their own handler."""
+    schedule = torch.profiler.schedule(wait=1, warmup=1, active=2, repeat=2)
+    return torch.profiler.profile(schedule=schedule, on_trace_ready=on_trace_ready, **kwargs)
+
+
+def test_a_users_tensorboard_handler_and_the_callbacks_files_coexist(tmp_path, caplog, recwarn):
+    caplog.set_level(logging.INFO, logger="dream_trainer")
+    handler = torch.profiler.tensorboard_trace_handler(str(tmp_path / "tb"))
+    user = _users_profiler(handler, with_stack=True)
+    prof = ProfileCallback(user, output_dir=tmp_path / "prof")
+    trainer = ToyTrainer(config([prof]))
+    trainer.fit()
+    user_traces = sorted((tmp_path / "tb").glob("*.pt.trace.json"))
+    assert len(user_traces) == 2  # the handler's trace, every cycle
+    for trace in user_traces:
+        assert any(e.get("name") == "aten::addmm" for e in json.loads(trace.read_text())["traceEvents"])
+    tables = sorted((tmp_path / "prof").glob("key_averages.*.txt"))
+    assert [t.name for t in tables] == ["key_averages.rank0.step4.txt", "key_averages.rank0.step8.txt"]
+    assert all("aten::addmm" in t.read_text() for t in tables)
+    assert len(list((tmp_path / "prof").glob("stacks.*.txt"))) == 2
+    assert not list((tmp_path / "prof").glob("*.pt.trace.json"))  # no second copy: the handler's trace is it
+    assert sorted(p for p in prof.exported if p.name.endswith(".pt.trace.json")) == user_traces
+    text = caplog.text + " ".join(str(w.message) for w in recwarn)
+    assert "already saved" not in text and "failed" not in text.lower()
+    assert text.count("its own on_trace_ready") == 1  # said once, at the start
+    assert trainer.status == "completed" and user.on_trace_ready is handler and not prof.running  # given back
+
+
+def test_a_users_handler_that_saves_no_trace_gets_the_callbacks_trace(tmp_path, caplog):
+    seen = []
+    user = _users_profiler(lambda p: seen.append({e.key for e in p.key_averages()}))
+    prof = ProfileCallback(user, output_dir=tmp_path)
+    ToyTrainer(config([prof])).fit()
+    assert len(seen) == 2 and all("aten::addmm" in ops for ops in seen)  # the user's handler ran each cycle
+    traces = sorted(tmp_path.glob("*.pt.trace.json"))
+    assert [t.name for t in traces] == ["rank0.step4.pt.trace.json", "rank0.step8.pt.trace.json"]
+    assert not list(tmp_path.glob("stacks.*"))  # the user's profiler records no stacks: none written
+    assert "already saved" not in caplog.text and "failed" not in caplog.text
+
+
+def test_a_failing_users_handler_costs_no_other_file(tmp_path, caplog):
+    def handler(prof):
+        raise OSError("disk full")
+
+    prof = ProfileCallback(_users_profiler(handler), output_dir=tmp_path)
+    trainer = ToyTrainer(config([prof]))
+    trainer.fit()
+    assert trainer.status == "completed" and "disk full" in caplog.text  # logged, training went on
+    assert sorted(p.name for p in prof.exported) == ["key_averages.rank0.step4.txt", "key_averages.rank0.step8.txt",
+                                                     "rank0.step4.pt.trace.json", "rank0.step8.pt.trace.json"]
+    assert all(p.exists() for p in prof.exported) and not prof.running
 
 
 # -------------------------------------------------------------------- graph breaks

@@ -37,12 +37,12 @@ def make(callbacks=(), trainer_kwargs=None, **training):
 OPT = ["pre_optimizer_step", "post_optimizer_step", "pre_optimizer_zero_grad", "post_optimizer_zero_grad"]
 
 
-def micro(log=False):  # an accumulation micro-batch: no optimizer hooks
-    return ["pre_train_step", "post_train_step"]
+def micro(log=False):  # the first micro-batch of a step (accumulation): no optimizer hooks
+    return ["on_step_begin", "pre_train_step", "post_train_step"]
 
 
-def opt_step(log=False):
-    return ["pre_train_step", *OPT, "post_train_step"] + (["on_log"] if log else [])
+def opt_step(log=False):  # its last: the optimizer hooks, the step's end, then its logging
+    return ["pre_train_step", *OPT, "post_train_step", "on_step_end"] + (["on_log"] if log else [])
 
 
 def validation(batches, log=True):

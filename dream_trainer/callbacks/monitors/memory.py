@@ -4,44 +4,20 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
-import resource
-import sys
 from collections import deque
 from typing import Any
 
 import torch
 
 from dream_trainer.callbacks.monitors._base import Monitor, check_int
+from dream_trainer.world.memory import MB, MemoryStatus
 
 logger = logging.getLogger(__name__)
 
-_MB = 2**20
-
-
-_statm: tuple[int, int] | None = None  # (pid, descriptor) of /proc/self/statm, kept open
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def rss_mb() -> float:
-    """This process's resident set now (Linux ``/proc``, a pread of a descriptor kept open:
-    a few µs; elsewhere its peak)."""
-    global _statm
-    try:
-        if _statm is None or _statm[0] != os.getpid():  # first call, or a forked child
-            _statm = (os.getpid(), os.open("/proc/self/statm", os.O_RDONLY))
-        return int(os.pread(_statm[1], 256, 0).split()[1]) * _PAGE / _MB
-    except (OSError, ValueError, IndexError, AttributeError):  # no /proc (macOS), no pread (Windows)
-        return peak_rss_mb()
-
-
-def peak_rss_mb() -> float:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return peak / (_MB if sys.platform == "darwin" else 1024)
-
 
 class MemoryMonitorCallback(Monitor):
-    """Memory, from the allocator's counters and the OS — host reads, never a device sync.
+    """Memory, from ``trainer.world.memory_status()`` (the allocator's counters and the
+    OS: host reads, never a device sync).
 
     On its log steps: ``train/memory_current_mb`` and ``train/memory_peak_mb`` (the device's
     allocated memory on CUDA, the process's resident set on CPU), ``train/memory_rss_mb``
@@ -75,25 +51,25 @@ class MemoryMonitorCallback(Monitor):
     def _cuda(self) -> bool:
         return self.trainer.world.device.type == "cuda"
 
+    def status(self) -> MemoryStatus:
+        """``trainer.world.memory_status()``: host counters, no device sync."""
+        return self.trainer.world.memory_status()
+
     def current_mb(self) -> float:
-        if self._cuda():
-            return torch.cuda.memory_allocated(self.trainer.world.device) / _MB
-        return rss_mb()
+        """Allocated device memory on CUDA, the process's resident set elsewhere."""
+        return self.status().allocated / MB
 
     def peak_mb(self) -> float:
-        if self._cuda():
-            return torch.cuda.max_memory_allocated(self.trainer.world.device) / _MB
-        return max(peak_rss_mb(), rss_mb())
+        return self.status().peak_allocated / MB
 
     def readings(self) -> dict[str, float]:
-        out = {"train/memory_current_mb": self.current_mb(), "train/memory_peak_mb": self.peak_mb(),
-               "train/memory_rss_mb": rss_mb()}
+        status = self.status()
+        out = {"train/memory_current_mb": status.allocated / MB, "train/memory_peak_mb": status.peak_allocated / MB,
+               "train/memory_rss_mb": status.rss / MB}
         if self._cuda():
-            device = self.trainer.world.device
-            reserved = torch.cuda.memory_reserved(device) / _MB
-            out["train/memory_reserved_mb"] = reserved
-            out["train/memory_fragmentation"] = (reserved - out["train/memory_current_mb"]) / reserved if reserved else 0.0
-            out["train/memory_total_mb"] = torch.cuda.get_device_properties(device).total_memory / _MB
+            out["train/memory_reserved_mb"] = status.reserved / MB
+            out["train/memory_fragmentation"] = status.fragmentation
+            out["train/memory_total_mb"] = (status.total or 0) / MB
         return out
 
     def display(self, readings: dict[str, float]) -> str:
@@ -104,7 +80,8 @@ class MemoryMonitorCallback(Monitor):
 
     # ------------------------------------------------------------------ hooks
     def pre_train_epoch(self) -> None:
-        self._epoch = {"start": self.current_mb(), "peak": self.current_mb()}
+        now = self.current_mb()
+        self._epoch = {"start": now, "peak": now}
 
     def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
         step = self.trainer.global_step

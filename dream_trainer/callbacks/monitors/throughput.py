@@ -2,19 +2,35 @@
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections import deque
 from typing import Any
 
 import torch
-from torch import nn
 
 from dream_trainer.callbacks.monitors._base import Monitor, check_int
 
 # Dense bf16 peaks per GPU (FLOP/s), for MFU when `peak_flops` is not given.
 _PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "V100": 125e12}
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """The dense bf16 peak FLOP/s of a known GPU (H100, H200, A100, L40S, A10, V100) by its
+    name; None for other devices (CPU included): pass ``peak_flops`` to the callbacks."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in _PEAK_FLOPS.items() if k in name), None)
+
+
+def model_flops(trainer: Any, samples: float, tokens: float | None, flops_per_token: float | None) -> float | None:
+    """The model FLOPs of `samples` / `tokens`: tokens x `flops_per_token` when both are
+    known, else samples x ``trainer.model_flops_per_sample`` when set, else None."""
+    if tokens is not None and flops_per_token is not None:
+        return tokens * flops_per_token
+    per_sample = getattr(trainer, "model_flops_per_sample", None)
+    return samples * per_sample if per_sample is not None else None
 
 
 class ThroughputMonitorCallback(Monitor):
@@ -23,12 +39,15 @@ class ThroughputMonitorCallback(Monitor):
     On its log steps: ``train/step_time`` (median seconds per optimizer step over the last
     `window` steps), ``train/samples_per_sec`` and ``train/tokens_per_sec`` (across
     data-parallel ranks: exact on the trainer's log steps, from ``step_stats.world_*``;
-    this rank's rate times the data-parallel size otherwise), ``train/mfu`` when the FLOPs
-    per token are known (`flops_per_token`; ``"auto"``: 6 x the parameters outside
-    embeddings, the dense-transformer estimate) and so is the peak (`peak_flops` per device,
-    or a known GPU), and after `warmup_steps`: ``train/progress_pct`` and ``train/eta``
-    (seconds). Counts come from ``trainer.count_batch`` (override it for your batches). On
-    CUDA, each log step is also timed on the device with events: ``train/step_time_device``
+    this rank's rate times the data-parallel size otherwise), ``train/tflops_per_device``
+    (achieved model TFLOP/s per rank) when the model's FLOPs are known and ``train/mfu``
+    when the peak is known too (`peak_flops` per device, or a known GPU), and after
+    `warmup_steps`: ``train/progress_pct`` and ``train/eta`` (seconds) when the run's length
+    is known (``trainer.total_steps``). The FLOPs: `flops_per_token` per token (``"auto"``:
+    the trainer's ``model_flops_per_token``, by default 6 x the parameters outside
+    embeddings, the dense-transformer estimate), else, for batches without tokens, the
+    trainer's ``model_flops_per_sample``. Counts come from ``trainer.count_batch``
+    (override it for your batches). On CUDA, each log step is also timed on the device with events: ``train/step_time_device``
     (the only sync it adds, on log steps).
     """
 
@@ -47,13 +66,8 @@ class ThroughputMonitorCallback(Monitor):
 
     def post_setup(self) -> None:
         self._cuda = self.trainer.world.device.type == "cuda"
-        if self.flops_per_token == "auto":
-            params = sum(p.numel() for m in self.trainer.named_models().values() for mod in m.modules()
-                         if not isinstance(mod, nn.Embedding) for p in mod.parameters(recurse=False))
-            self.flops_per_token = 6.0 * params
-        if self.peak_flops is None and self.trainer.world.device.type == "cuda":
-            name = torch.cuda.get_device_name(self.trainer.world.device)
-            self.peak_flops = next((v for k, v in _PEAK_FLOPS.items() if k in name), None)
+        if self.peak_flops is None:
+            self.peak_flops = device_peak_flops(self.trainer.world.device)
 
     def pre_train_step(self, batch: Any, batch_idx: int) -> None:
         trainer = self.trainer
@@ -91,13 +105,17 @@ class ThroughputMonitorCallback(Monitor):
             then, samples0, tokens0, _ = self._last
             elapsed = now - then
             metrics["train/samples_per_sec"] = (samples - samples0) / elapsed
+            token_rate = None
             if tokens is not None and tokens0 is not None:
-                metrics["train/tokens_per_sec"] = (tokens - tokens0) / elapsed
-                if isinstance(self.flops_per_token, (int, float)) and self.peak_flops:
-                    achieved = metrics["train/tokens_per_sec"] * self.flops_per_token
+                metrics["train/tokens_per_sec"] = token_rate = (tokens - tokens0) / elapsed
+            per_token = trainer.model_flops_per_token if self.flops_per_token == "auto" else self.flops_per_token
+            achieved = model_flops(trainer, metrics["train/samples_per_sec"], token_rate, per_token)
+            if achieved is not None:  # FLOP/s over all ranks
+                metrics["train/tflops_per_device"] = achieved / trainer.world.world_size / 1e12
+                if self.peak_flops:
                     metrics["train/mfu"] = achieved / (self.peak_flops * trainer.world.world_size)
         self._last = (now, samples, tokens, exact)
-        total = self.total_steps()
+        total = trainer.total_steps
         if total and trainer.global_step > self.warmup_steps:
             metrics["train/progress_pct"] = 100.0 * trainer.global_step / total
             metrics["train/eta"] = max(0, total - trainer.global_step) * metrics["train/step_time"]
@@ -107,14 +125,3 @@ class ThroughputMonitorCallback(Monitor):
             metrics["train/step_time_device"] = start.elapsed_time(end) / 1e3
             self._events = None
         trainer.log_dict(metrics)
-
-    def total_steps(self) -> int | None:
-        """The optimizer steps the run will take (None: unknown)."""
-        trainer = self.trainer
-        tp = trainer.training_parameters
-        per_epoch = trainer.train_steps_per_epoch
-        by_epochs = None
-        if tp.n_epochs is not None and per_epoch is not None:
-            by_epochs = tp.n_epochs * math.ceil(per_epoch / tp.gradient_accumulation_steps)
-        candidates = [n for n in (tp.max_steps, by_epochs) if n is not None]
-        return min(candidates) if candidates else None
