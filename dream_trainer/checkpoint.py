@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from dream_trainer.errors import CheckpointError
+
 logger = logging.getLogger(__name__)
 
 META_FILE = "dream_trainer.json"
@@ -45,10 +47,6 @@ _RANK_KEYS = "ranks."  # per-rank entries: present only for the ranks that wrote
 # A callback new in this run has nothing to load; older checkpoints have no list of saved
 # callbacks and no skip counters.
 _OPTIONAL_KEYS = ("callbacks.", "trainer.callbacks", "trainer.skipped_")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, unreadable or does not match the run."""
 
 
 def dcp_errors() -> tuple[type[BaseException], ...]:

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, Literal, Union
 import torch
 
 if TYPE_CHECKING:
-    from dream_trainer.callbacks.base import Callback
-    from dream_trainer.callbacks.collection import CallbackCollection
+    from dream_trainer.protocol.base import Callback
+    from dream_trainer.protocol.collection import CallbackCollection
 
 Size = Union[int, Literal["auto"]]
 
@@ -417,8 +417,8 @@ def _callbacks(value: Any) -> Any:
     tuple, mapping or collection of callbacks is an error (the collection checks the items)."""
     from collections.abc import Mapping
 
-    from dream_trainer.callbacks.base import Callback
-    from dream_trainer.callbacks.collection import CallbackCollection
+    from dream_trainer.protocol.base import Callback
+    from dream_trainer.protocol.collection import CallbackCollection
 
     if value is None or isinstance(value, (CallbackCollection, Mapping)):
         return value

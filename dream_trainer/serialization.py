@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from dream_trainer.checkpoint import CheckpointError
+from dream_trainer.errors import CheckpointError
 
 __all__ = ["UnsafeStateError", "allow_types", "allowed_types", "check_storable", "dumps", "loads"]
 

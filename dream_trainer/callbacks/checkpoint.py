@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dream_trainer.callbacks.base import Callback
+from dream_trainer.protocol.base import Callback
 from dream_trainer.checkpoint import (
     STAGING_PREFIX,
     CheckpointError,

@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from dream_trainer.callbacks.base import Callback
+from dream_trainer.protocol.base import Callback
 from dream_trainer.trainer.dream import DreamTrainer
 
 logger = logging.getLogger(__name__)

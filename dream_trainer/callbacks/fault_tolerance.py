@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
-from dream_trainer.callbacks.base import Callback
+from dream_trainer.protocol.base import Callback
 from dream_trainer.configs import FaultToleranceParameters
 from dream_trainer.trainer.base import BaseTrainer
 

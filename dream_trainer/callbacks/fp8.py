@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from dream_trainer.callbacks._fp8 import Float8Hardware, float8_hardware, other_matmul_modules, summary, torchao_config
-from dream_trainer.callbacks.base import Callback
+from dream_trainer.protocol.base import Callback
 from dream_trainer.trainer.dream import DreamTrainer
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dream_trainer.callbacks.base import Callback
+from dream_trainer.protocol.base import Callback
 from dream_trainer.trainer.abstract import AbstractTrainer
 
 logger = logging.getLogger(__name__)

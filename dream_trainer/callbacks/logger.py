@@ -13,7 +13,7 @@ from typing import IO, Any
 
 import torch
 
-from dream_trainer.callbacks.base import RankZeroCallback
+from dream_trainer.protocol.base import RankZeroCallback
 from dream_trainer.trainer.abstract import AbstractTrainer
 
 logger = logging.getLogger(__name__)

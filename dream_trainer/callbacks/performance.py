@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dream_trainer.callbacks.base import RankZeroCallback
+from dream_trainer.protocol.base import RankZeroCallback
 from dream_trainer.callbacks.monitors.throughput import device_peak_flops, model_flops
 from dream_trainer.trainer.base import BaseTrainer
 from dream_trainer.world.memory import MB

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import IO, Any
 
-from dream_trainer.callbacks.base import RankZeroCallback
+from dream_trainer.protocol.base import RankZeroCallback
 from dream_trainer.trainer.abstract import AbstractTrainer
 
 

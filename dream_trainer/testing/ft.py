@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dream_trainer.callbacks.base import Callback
+from dream_trainer.protocol.base import Callback
 
 
 def descendants(pid: int) -> list[int]:

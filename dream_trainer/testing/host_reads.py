@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from dream_trainer.callbacks.base import Callback
+from dream_trainer.protocol.base import Callback
 
 # Tensor functions whose result is a host value (or needs one): name -> kind.
 _ALWAYS = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, NamedTuple
 
-from dream_trainer.callbacks.base import HOOKS, Callback
+from dream_trainer.protocol.base import HOOKS, Callback
 
 
 class Call(NamedTuple):

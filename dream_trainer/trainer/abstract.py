@@ -18,7 +18,7 @@ from dream_trainer.configs import TrainerConfig
 from dream_trainer.world.world import DistributedWorld
 
 if TYPE_CHECKING:
-    from dream_trainer.callbacks.collection import CallbackCollection
+    from dream_trainer.protocol.collection import CallbackCollection
 
 T = TypeVar("T")
 

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from dream_trainer.callbacks.base import StopTraining
-from dream_trainer.callbacks.collection import CallbackCollection
+from dream_trainer.protocol.base import StopTraining
+from dream_trainer.protocol.collection import CallbackCollection
 from dream_trainer.configs import TrainerConfig
 from dream_trainer.launch import RunIdentity, record_exit_code
 from dream_trainer.trainer.metrics import MetricsMixin

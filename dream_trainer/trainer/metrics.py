@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dream_trainer.callbacks.base import Callback
+from dream_trainer.protocol.base import Callback
 from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.trainer.telemetry import StepStats
 from dream_trainer.utils import to_floats

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dream_trainer.callbacks.base import StopTraining
+from dream_trainer.protocol.base import StopTraining
 from dream_trainer.launch import EXIT_PREEMPTED
 from dream_trainer.trainer.abstract import AbstractTrainer
 

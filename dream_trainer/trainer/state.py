@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from dream_trainer.callbacks.collection import warn_absent_callbacks
+from dream_trainer.protocol.collection import warn_absent_callbacks
 from dream_trainer.serialization import check_storable, dumps, loads
 from dream_trainer.trainer.abstract import AbstractTrainer, reshard
 from dream_trainer.utils import rng_state, set_rng_state

@@ -221,7 +221,7 @@ class FaultTolerantWorld(DistributedWorld):
             started, ``(committed, finished, where)``: the most committed steps recorded,
             the step at which a group finished the run (None: none did) and where that was
             read. Set by `FaultToleranceCallback` before training; the first quorum checks
-            this group against it (`dream_trainer.ft.check_progress`).
+            this group against it (`dream_trainer.world.ft_history.check_progress`).
         gradients: the bucketed cross-group gradient all-reduce (after `launch`).
         bind_host, addresses: the address this rank's servers listen on, and their URLs
             (``heal``; ``manager`` on group rank 0), after `launch` (`ft_transport`).
@@ -380,7 +380,7 @@ class FaultTolerantWorld(DistributedWorld):
             self._event("heal", seconds=quorum_s, load_s=self._healed_s, participants=self.participants)
             logger.warning("replica group %d healed from a peer at step %d (%.2f s)", self.group_id, self._token, quorum_s)
         if self._attempt == 1 and self.progress is not None:
-            from dream_trainer.ft import check_progress
+            from dream_trainer.world.ft_history import check_progress
 
             check_progress(self.progress, self._token, self.participants, self.group_id)
         if self.participants != previous:

@@ -6,7 +6,7 @@ from typing import Protocol, runtime_checkable
 import pytest
 
 from dream_trainer import Callback, CallbackCollection, CallbackDependencyError, RankZeroCallback, StopTraining
-from dream_trainer.callbacks.base import HOOKS
+from dream_trainer.protocol.base import HOOKS
 
 
 class TrainerA:

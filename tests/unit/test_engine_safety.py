@@ -357,7 +357,7 @@ def test_epoch_loss_is_a_running_mean():
 
 
 @pytest.mark.parametrize(
-    "first", ["dream_trainer.trainer.base", "dream_trainer.callbacks.base", "dream_trainer.callbacks.collection", "dream_trainer.trainer"]
+    "first", ["dream_trainer.trainer.base", "dream_trainer.protocol.base", "dream_trainer.protocol.collection", "dream_trainer.trainer"]
 )
 def test_shipped_callbacks_import_from_the_callbacks_package(first):
     code = (

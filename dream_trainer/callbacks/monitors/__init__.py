@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dream_trainer.callbacks.base import Callback
+from dream_trainer.protocol.base import Callback
 from dream_trainer.callbacks.monitors.anomaly import AnomalyDetectorCallback, AnomalyError
 from dream_trainer.callbacks.monitors.dashboard import TrainingDashboardCallback
 from dream_trainer.callbacks.monitors.gradient import GradientMonitorCallback

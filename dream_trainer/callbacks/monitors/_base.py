@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from dream_trainer.callbacks.base import Callback
+from dream_trainer.protocol.base import Callback
 from dream_trainer.trainer.base import BaseTrainer
 
 

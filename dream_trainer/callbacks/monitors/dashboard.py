@@ -8,7 +8,7 @@ import time
 from collections import deque
 from typing import IO, Any
 
-from dream_trainer.callbacks.base import RankZeroCallback
+from dream_trainer.protocol.base import RankZeroCallback
 from dream_trainer.trainer.base import BaseTrainer
 
 ROWS = (

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from dream_trainer.callbacks.base import StopTraining
+from dream_trainer.protocol.base import StopTraining
 
-logger = logging.getLogger("dream_trainer.callbacks.collection")
+logger = logging.getLogger("dream_trainer.protocol.collection")
 
 
 class DispatchMixin:

@@ -16,8 +16,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Callable
 
-from dream_trainer.callbacks.base import CONTEXT_HOOKS, HOOKS, Callback, RankZeroCallback, SkipBatch, StopTraining
-from dream_trainer.callbacks.dispatch import DispatchMixin
+from dream_trainer.protocol.base import CONTEXT_HOOKS, HOOKS, Callback, RankZeroCallback, SkipBatch, StopTraining
+from dream_trainer.protocol.dispatch import DispatchMixin
 
 logger = logging.getLogger(__name__)
 

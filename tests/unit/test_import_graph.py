@@ -1,0 +1,79 @@
+"""The direction of the package's dependencies, read from its source (every import
+statement, also those inside functions): the protocol imports nothing from the trainer,
+the world or the shipped callbacks; the trainer and the world import no shipped callback;
+and the packages import each other without a cycle."""
+
+import ast
+from pathlib import Path
+
+import dream_trainer
+
+ROOT = Path(dream_trainer.__file__).parent
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """The dream_trainer modules `path` imports (absolute and relative, at any depth)."""
+    here = _module(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+    return {name for name in found if name == "dream_trainer" or name.startswith("dream_trainer.")}
+
+
+def _unit(module: str) -> str:
+    """The part of the house a module belongs to: its subpackage, or the module itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "dream_trainer"
+
+
+GRAPH = {_module(p): _imports(p) for p in ROOT.rglob("*.py")}
+
+
+def _offending(source_unit: str, forbidden: tuple[str, ...]) -> list[str]:
+    return sorted(f"{m} imports {i}" for m, imps in GRAPH.items() if _unit(m) == source_unit
+                  for i in imps if _unit(i) in forbidden)
+
+
+def test_the_protocol_imports_nothing_from_the_trainer_world_or_shipped_callbacks():
+    assert {"dream_trainer.protocol.base", "dream_trainer.protocol.collection"} <= set(GRAPH)  # not vacuous
+    assert _offending("protocol", ("trainer", "world", "callbacks", "dream_trainer")) == []
+
+
+def test_the_trainer_and_the_world_import_no_shipped_callback():
+    assert _offending("trainer", ("callbacks",)) == []
+    assert _offending("world", ("callbacks", "trainer")) == []
+
+
+def test_the_packages_import_each_other_without_a_cycle():
+    edges = {}
+    for module, imports in GRAPH.items():
+        if _unit(module) in ("dream_trainer", "testing"):
+            continue  # the public API re-exports everything; the test kit uses everything
+        edges.setdefault(_unit(module), set()).update(_unit(i) for i in imports if _unit(i) != _unit(module))
+    cycles = []
+
+    def visit(node, path):
+        for nxt in sorted(edges.get(node, ())):
+            if nxt in path:
+                cycles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif nxt not in done:
+                visit(nxt, path + [nxt])
+        done.add(node)
+
+    done: set[str] = set()
+    for start in sorted(edges):
+        if start not in done:
+            visit(start, [start])
+    assert cycles == []
