@@ -11,7 +11,6 @@ or in Python, ``with Lighthouse(bind="127.0.0.1:0") as lh: ... lh.address``.
 from __future__ import annotations
 
 import argparse
-import logging
 import signal
 import threading
 from collections.abc import Iterator, Sized
@@ -25,8 +24,6 @@ from dream_trainer.world.ft_history import check_progress, confined, group_roots
 
 __all__ = ["FaultTolerantSampler", "Lighthouse", "check_progress", "confined", "group_roots", "run_history",
            "step_units"]
-
-logger = logging.getLogger(__name__)
 
 
 class Lighthouse:

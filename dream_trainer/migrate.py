@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from dream_trainer.checkpoint import FORMAT, META_FILE, STAGING_PREFIX, CheckpointError, commit, list_checkpoints, staging_dir
+from dream_trainer.utils import numpy_state_as_data
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ def _plain_rng(obj: Any) -> Any:
     import numpy as np
 
     if isinstance(obj, tuple) and len(obj) == 5 and isinstance(obj[0], str) and isinstance(obj[1], np.ndarray):
-        return (str(obj[0]), tuple(int(x) for x in obj[1]), int(obj[2]), int(obj[3]), float(obj[4]))
+        return numpy_state_as_data(obj)
     if isinstance(obj, dict):
         return type(obj)((k, _plain_rng(v)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):

@@ -21,15 +21,21 @@ def rng_state() -> dict[str, Any]:
     """Every RNG state of this process (python, numpy, torch CPU and CUDA), as plain data
     (numbers, strings, tuples, tensors: what a restricted load accepts; numpy's key array
     as a tuple of ints)."""
-    name, key, pos, has_gauss, gauss = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": (str(name), tuple(key.tolist()), int(pos), int(has_gauss), float(gauss)),
+        "numpy": numpy_state_as_data(np.random.get_state()),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def numpy_state_as_data(state: tuple[Any, ...]) -> tuple[Any, ...]:
+    """numpy's legacy RNG state ``(name, key array, pos, has_gauss, gauss)`` with the key as
+    a tuple of ints: what a restricted load accepts (`set_rng_state` reads it back)."""
+    name, key, pos, has_gauss, gauss = state
+    return (str(name), tuple(int(x) for x in key), int(pos), int(has_gauss), float(gauss))
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
