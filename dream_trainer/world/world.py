@@ -13,6 +13,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from dream_trainer.configs import DeviceParameters
 from dream_trainer.world.memory import MemoryStatus, read_memory_status, reset_peak_memory
@@ -63,10 +64,12 @@ def _shutdown_sockets(inodes: set[str]) -> int:
     return released
 
 
+_GRAD_PLANS_KEPT = 8
+"""Parameter lists whose gradient grouping `DistributedWorld` keeps (one per optimizer)."""
+
+
 def _gradient_kind(grad: torch.Tensor) -> tuple[Any, ...]:
     """``(is plain, ...)``: what a gradient can be grouped with in one foreach kernel."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(grad, DTensor):
         return (False, grad.device_mesh, grad.placements)
     return (True, grad.device, grad.dtype, type(grad))
@@ -106,7 +109,8 @@ class DistributedWorld:
         self._dp: tuple[int, int] | None = None  # (rank, size) on the launched mesh
         self._sockets: set[str] = set()  # socket inodes of this world's process groups
         self._timeout = timedelta(seconds=self.device_parameters.init_timeout_s)
-        self._grad_kinds: dict[int, tuple[Any, ...]] = {}  # id(parameter) -> its gradients' kind
+        # id(parameter list) -> (its parameters, [(gradient kind, indices)]): see _gradient_groups
+        self._grad_plans: dict[int, tuple[tuple[Any, ...], list[tuple[Any, list[int]]]]] = {}
 
     # ------------------------------------------------------------------ launch
     def _resolve_device(self) -> torch.device:
@@ -331,26 +335,39 @@ class DistributedWorld:
     # ------------------------------------------------------------------ gradients
     def _gradient_groups(self, parameters: Iterable[torch.nn.Parameter]) -> list[list[torch.Tensor]]:
         """Gradients grouped so each group is one kind: plain tensors, or DTensors of one
-        mesh and placement (foreach kernels cannot mix them). A parameter's kind is worked
-        out from its first gradient and remembered (this runs every step on the norm path)."""
-        groups: dict[Any, list[torch.Tensor]] = {}
-        kinds = self._grad_kinds
-        for p in parameters:
-            g = p.grad
-            if g is None:
-                continue
-            key = kinds.get(id(p))
-            if key is None or (key[2] != g.placements if not key[0] else type(g) is not key[3]):
-                key = kinds[id(p)] = _gradient_kind(g)
-            groups.setdefault(key, []).append(g)
-        return list(groups.values())
+        mesh and placement (foreach kernels cannot mix them). This runs every step on the
+        norm path, so the grouping of a parameter list (the same list object every step, as
+        ``trainer.step`` passes it) is worked out once and kept while the list holds the same
+        parameters, every one has a gradient and each group's first gradient is still of its
+        kind (a gradient's kind follows its parameter: dtype, device, mesh and placements)."""
+        if isinstance(parameters, list):
+            cached = self._grad_plans.get(id(parameters))
+            if cached is not None and len(cached[0]) == len(parameters) and all(
+                    a is b for a, b in zip(cached[0], parameters)):
+                grads = [p.grad for p in parameters]
+                if all(g is not None for g in grads):
+                    plan = cached[1]
+                    if all(_gradient_kind(grads[idx[0]]) == kind for kind, idx in plan):
+                        if len(plan) == 1:
+                            return [grads]
+                        return [[grads[i] for i in idx] for _, idx in plan]
+        else:
+            parameters = list(parameters)
+        by_kind: dict[Any, list[int]] = {}
+        grads = [p.grad for p in parameters]
+        for i, g in enumerate(grads):
+            if g is not None:
+                by_kind.setdefault(_gradient_kind(g), []).append(i)
+        if all(g is not None for g in grads):  # a plan for the next steps (keyed by the list)
+            if len(self._grad_plans) >= _GRAD_PLANS_KEPT:  # lists made per call: keep a few
+                del self._grad_plans[next(iter(self._grad_plans))]
+            self._grad_plans[id(parameters)] = (tuple(parameters), list(by_kind.items()))
+        return [[grads[i] for i in idx] for idx in by_kind.values()]
 
     def _norm_of_groups(self, groups: list[list[torch.Tensor]], norm_type: float) -> torch.Tensor:
         # No no_grad() context (its cost shows on small models, where this runs every step):
         # gradients do not require grad, so nothing is recorded; those of a create_graph
         # backward do, and the result is detached.
-        from torch.distributed.tensor import DTensor
-
         if not groups:
             return torch.zeros((), device=self.device)
         norms = []

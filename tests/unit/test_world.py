@@ -78,3 +78,28 @@ def test_the_first_step_of_every_fit_relaxes_the_timeout_also_after_a_resume():
     fit(2)
     fit(4)  # resumes at step 2: its first step is global step 3
     assert seen == [(0, {77.0}), (1, {11.0}), (2, {77.0}), (3, {11.0})]
+
+
+def test_the_gradient_grouping_kept_for_a_list_follows_missing_and_changed_gradients():
+    """The grouping of a parameter list is kept between calls (the per-step norm path): a
+    gradient that goes missing is grouped again, and the norm
+    stays exact; a parameter replaced in the list is grouped by its own kind; lists made per
+    call do not pile up."""
+    world = DistributedWorld(DeviceParameters.SINGLE_DEVICE())
+    params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))]
+
+    def norm_of(grads):
+        return torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads]))
+
+    params[0].grad, params[1].grad = torch.full((3,), 2.0), torch.full((2,), 1.0)
+    assert torch.allclose(world.total_gradient_norm(params).double(), norm_of([params[0].grad, params[1].grad]))
+    assert world.total_gradient_norm(params).item() == world.total_gradient_norm(params).item()  # the kept plan
+    params[1].grad = None  # a parameter without gradient this step
+    assert torch.allclose(world.total_gradient_norm(params).double(), norm_of([params[0].grad]))
+    params[1] = torch.nn.Parameter(torch.randn(2, dtype=torch.float64))  # the list changed: another kind
+    params[1].grad = torch.full((2,), 3.0, dtype=torch.float64)
+    assert torch.allclose(world.total_gradient_norm(params).double(), norm_of([params[0].grad, params[1].grad]))
+    assert len(world._gradient_groups(params)) == 2
+    for _ in range(50):  # a new list each call
+        world.total_gradient_norm(list(params))
+    assert len(world._grad_plans) <= 8
