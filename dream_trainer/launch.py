@@ -34,6 +34,15 @@ logger = logging.getLogger(__name__)
 EXIT_PREEMPTED = 75
 """The exit status of a preempted run (``EX_TEMPFAIL``: stopped early, checkpointed, resumable)."""
 
+EXIT_FAILED = 1
+"""The exit status of a failed run."""
+
+
+def exit_code_for(status: str) -> int:
+    """The process exit status a run's final status asks for: `EXIT_PREEMPTED` (75) for
+    ``"preempted"``, `EXIT_FAILED` (1) for ``"failed"``, else 0 (completed, stopped)."""
+    return {"preempted": EXIT_PREEMPTED, "failed": EXIT_FAILED}.get(status, 0)
+
 T = TypeVar("T")
 
 ENV_NPROC = "DREAM_TRAINER_NPROC"

@@ -3,7 +3,8 @@
 
 from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.trainer.base import BaseTrainer
-from dream_trainer.trainer.preemption import EXIT_FAILED, EXIT_PREEMPTED, TrainingInterrupted
+from dream_trainer.launch import EXIT_FAILED, EXIT_PREEMPTED
+from dream_trainer.trainer.control import ControlPlane, TrainingInterrupted
 from dream_trainer.trainer.dream import CompiledModule, DreamTrainer
 from dream_trainer.trainer.metrics import LogRecursionError
 from dream_trainer.trainer.telemetry import StepStats
@@ -14,6 +15,7 @@ __all__ = [
     "AbstractTrainer",
     "BaseTrainer",
     "CompiledModule",
+    "ControlPlane",
     "DreamTrainer",
     "LogRecursionError",
     "StepStats",

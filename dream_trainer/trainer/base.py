@@ -23,9 +23,9 @@ from torch.optim import Optimizer
 from dream_trainer.protocol.base import StopTraining
 from dream_trainer.protocol.collection import CallbackCollection
 from dream_trainer.configs import TrainerConfig
-from dream_trainer.launch import RunIdentity, record_exit_code
+from dream_trainer.launch import RunIdentity, exit_code_for, record_exit_code
 from dream_trainer.trainer.metrics import MetricsMixin
-from dream_trainer.trainer.preemption import EXIT_FAILED, EXIT_PREEMPTED, PreemptionMixin, TrainingInterrupted
+from dream_trainer.trainer.control import ControlPlane, TrainingInterrupted
 from dream_trainer.trainer.data import DataMixin, set_epoch
 from dream_trainer.trainer.state import StateMixin
 from dream_trainer.trainer.stepping import StepMixin, _needs_metric
@@ -42,7 +42,7 @@ def _must_override(fn: Any) -> Any:
     return fn
 
 
-class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin, PreemptionMixin):
+class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
     """The training loop. See the lifecycle in the docs (``docs/lifecycle.md``).
 
     Attributes:
@@ -96,10 +96,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin, PreemptionMixi
         self._data_snapshot: Any = None
         self._loader_restored = False
         self._resume_rng: dict[str, Any] | None = None
-        self._signal: int | None = None
-        self._stop_request: str | None = None
-        self._disable_requests: dict[str, str] = {}
-        self._flag_work: Any = None
+        self.control = ControlPlane()  # signals, stop and disable requests, agreed by every rank
         self._timeout_relaxed = False
         self._epoch_start_state: dict[str, Any] | None = None
         self._resume_epoch_start: dict[str, Any] | None = None
@@ -114,6 +111,28 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin, PreemptionMixi
             raise RuntimeError("set_world() must be called before the world is launched (in pre_launch)")
         _check_plan(world)
         self.world = world
+
+    # ================================================================== control
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Ask every rank to stop: the run ends at the next agreed point (see
+        `StopTraining`) with ``status == "stopped"`` on every rank. Safe to call on one
+        rank only, from a hook or from ``training_step``; the first reason wins."""
+        if self.control.request_stop(reason):
+            logger.info("stop requested at step %d: %s", self.global_step, reason)
+
+    def request_disable(self, name: str, why: str) -> None:
+        """Disable callback `name` on every rank at the next agreed point (called by the
+        callback collection for a non-critical callback that keeps failing)."""
+        self.control.request_disable(name, why)
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether this rank has asked to stop (not yet acted on)."""
+        return self.control.stop_requested
+
+    def _control_point(self, blocking: bool = True) -> None:
+        """Every rank acts on the agreed requests here (`ControlPlane.decide`)."""
+        self.control.decide(self.world, self.callbacks, blocking)
 
     required_methods: ClassVar[tuple[str, ...]] = ("configure", "training_step")
     """Methods a subclass must implement; checked when `fit()` starts, before anything is built."""
@@ -162,9 +181,9 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin, PreemptionMixi
         path; a decision to stop (a signal, `StopTraining`) is agreed by every rank."""
         cb = self.callbacks
         self._check_required_methods()
-        restore_signals = self._install_signal_handlers()
+        self.control.reset()
+        restore_signals = self.control.install_signal_handlers(lambda: self.status == "running")
         self.status = "running"
-        self._stop_request, self._disable_requests, self._flag_work = None, {}, None
         self._timeout_relaxed = False
         failure: BaseException | None = None  # a critical callback's error at the end
         try:
@@ -191,14 +210,14 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin, PreemptionMixi
                 self.status = "completed"
             except StopTraining as stop:
                 self._stopped(stop)
-            self._drain_control()
+            self.control.drain()
             cb.post_fit()
             try:
                 self._control_point()  # a stop asked for in post_fit: "stopped" everywhere
             except StopTraining as stop:
                 self._stopped(stop)
         except StopTraining as stop:
-            self._drain_control()
+            self.control.drain()
             self._stopped(stop)
         except TrainingInterrupted as interrupt:
             if not interrupt.at_step_boundary:
@@ -221,9 +240,9 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin, PreemptionMixi
             # threads and can abort the process at exit. A failed run drops it unwaited
             # (a peer may be gone).
             if self.status == "failed":
-                self._flag_work = None
+                self.control.drop()
             else:
-                self._drain_control()
+                self.control.drain()
             failures = cb.on_teardown(self.status)
             if failures and self.status != "failed":
                 self.status, failure = "failed", failures[0]
@@ -239,7 +258,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin, PreemptionMixi
         """The process exit status this run asks for: `EXIT_PREEMPTED` (75) when
         preempted, `EXIT_FAILED` (1) when failed, else 0. ``raise SystemExit(trainer.exit_code)``
         in a script."""
-        return {"preempted": EXIT_PREEMPTED, "failed": EXIT_FAILED}.get(self.status, 0)
+        return exit_code_for(self.status)
 
     def _stopped(self, stop: StopTraining) -> None:
         self.status, self.stop_reason = "stopped", stop.reason

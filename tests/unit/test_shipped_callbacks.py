@@ -46,7 +46,7 @@ def test_logger_needs_a_sink():
 
 
 def test_sigterm_stops_at_the_step_boundary_and_a_second_signal_aborts():
-    from dream_trainer.trainer.preemption import SIGNAL_REPEAT_WINDOW_S
+    from dream_trainer.trainer.control import SIGNAL_REPEAT_WINDOW_S
 
     seen = []
 
