@@ -32,7 +32,6 @@ class AbstractTrainer(ABC):
         global_step: optimizer steps taken (accumulation micro-batches do not count).
         current_epoch: the epoch being run (0-based).
         local_batches: batches (micro-batches) consumed in the current epoch.
-        logged_metrics: the last value of every metric sent to `on_log`.
     """
 
     config: TrainerConfig
@@ -46,7 +45,6 @@ class AbstractTrainer(ABC):
         self.global_step = 0
         self.current_epoch = 0
         self.local_batches = 0
-        self.logged_metrics: dict[str, float] = {}
         self._param_owners: dict[int, str] = {}  # id(parameter) -> model name, see index_parameters
         self._flops_per_token: float | None = _UNSET  # set by the user, else estimated once
         self._estimated_flops: float | None = _UNSET

@@ -24,6 +24,7 @@ from dream_trainer.protocol.base import StopTraining
 from dream_trainer.protocol.collection import CallbackCollection
 from dream_trainer.configs import TrainerConfig
 from dream_trainer.launch import RunIdentity, exit_code_for, record_exit_code
+from dream_trainer.trainer.metric_log import MetricLog
 from dream_trainer.trainer.metrics import MetricsMixin
 from dream_trainer.trainer.control import ControlPlane, TrainingInterrupted
 from dream_trainer.trainer.data import DataMixin, set_epoch
@@ -74,10 +75,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         self.train_steps_per_epoch: int | None = None
         self.val_steps_per_epoch: int | None = None
         self.last_epoch_batches: int | None = None
-        self._log_gate: bool | None = None  # None outside a step: log_dict always logs
-        self._val_sums: dict[str, list[Any]] = {}
-        self._pending_logs: dict[str, Any] = {}
-        self._log_queue: list[dict[str, Any]] | None = None  # set while on_log runs: logs made there
+        self.metric_log = MetricLog(self._send_to_callbacks)  # what was logged, what waits to be sent
         self.step_stats = StepStats()
         self.skipped_steps = self.skipped_batches = 0
         self._skip_reason: str | None = None
@@ -321,7 +319,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
                 self.is_last_batch = is_last or (
                     not accumulating and tp.max_steps is not None and self.global_step + 1 >= tp.max_steps
                 )
-                self._log_gate = not accumulating and self._log_step_kind(self.global_step + 1) > 0
+                self.metric_log.gate = not accumulating and self._log_step_kind(self.global_step + 1) > 0
                 self._batch_arrived(batch)
                 if move:
                     batch = to_device(batch, self.world.device)
@@ -329,7 +327,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
                 skipped, result = self._train_batch(batch, batch_idx, accumulating)
                 if not accumulating:
                     self._end_step()
-                log = self._log_gate and not self.step_skipped
+                log = self.metric_log.gate and not self.step_skipped
                 own = self._own_step_metrics(result) if log and not skipped else {}
                 if not skipped:
                     cb.post_train_step(result, batch_idx)
@@ -340,8 +338,8 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
                 if not accumulating:
                     cb.on_step_end(step)
                 if log:
-                    self._log_train_step(own)
-                self._log_gate = None
+                    self.metric_log.send_step(own)
+                self.metric_log.gate = None
                 if not accumulating:
                     validated = self.validation_due
                     if validated:
@@ -354,10 +352,10 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
             else:
                 self._epoch_complete = True  # not cut short by max_steps: a resume starts the next epoch
         finally:  # also when a step raises (StopTraining, a failure): no stale per-step flag
-            self._log_gate = None
+            self.metric_log.gate = None
             self.is_accumulating_gradients = self.is_last_batch = False
             self._step_open = False
-        self._flush_pending_logs()  # values logged since the last log step: not dropped
+        self.metric_log.flush()  # values logged since the last log step: not dropped
         if batch_idx == start == -1:
             raise ValueError(
                 f"the training dataloader yielded no batches in epoch {self.current_epoch} "
@@ -406,7 +404,8 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         modes = {name: m.training for name, m in self.named_models().items()}
         for model in self.named_models().values():
             model.eval()
-        self.validating, self.sanity_checking, self._val_sums = True, sanity, {}
+        self.validating, self.sanity_checking = True, sanity
+        self.metric_log.start_validation()
         move = self.world.device.type != "cpu"
         try:
             cb.pre_validation_epoch()
@@ -416,12 +415,12 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
                 cb.pre_validation_step(batch, batch_idx)
                 result = self._run_step(self.validation_step, batch, batch_idx, "validation_context", False)
                 cb.post_validation_step(result, batch_idx)
-                self._accumulate({f"val/{k}" if "/" not in k else k: v for k, v in result.items()})
-            means = self._reduced_means()
+                self.metric_log.accumulate({f"val/{k}" if "/" not in k else k: v for k, v in result.items()})
+            means = self.metric_log.validation_means(self.world)
             self.validating = False  # from here, log_dict logs at once (not into the means)
             if not sanity:
                 self._last_val_step = self.global_step
-                self._dispatch_log(means)
+                self.metric_log.dispatch(means)
             cb.post_validation_epoch(means)
             if not sanity:
                 self._step_metric_schedulers()

@@ -22,6 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from dream_trainer.trainer.abstract import AbstractTrainer
+from dream_trainer.trainer.metric_log import MetricLog
 from dream_trainer.trainer.telemetry import StepStats, count_batch
 from dream_trainer.utils import rng_state, set_rng_state
 
@@ -46,8 +47,8 @@ class StepMixin(AbstractTrainer):
     """Set True on a trainer class whose own code (``training_step``) calls `skip_step`."""
 
     step_stats: StepStats
+    metric_log: MetricLog
     is_accumulating_gradients: bool
-    _log_gate: bool | None
     _optimizer_params: dict[int, list[nn.Parameter]]
     _optimizer_models: dict[int, nn.Module | None]
     _optimizer_schedulers: dict[int, list[Any]]
@@ -112,7 +113,7 @@ class StepMixin(AbstractTrainer):
         if clip is not None:
             norm = world.clip_grad_norm_(self._optimizer_params[key], clip)
             stats.clipped[name] = norm > clip  # a device bool: no sync
-        elif self._grad_norm_wanted or (self._log_gate and self.logging_parameters.log_grad_norm):  # type: ignore[attr-defined]
+        elif self._grad_norm_wanted or (self.metric_log.gate and self.logging_parameters.log_grad_norm):  # type: ignore[attr-defined]
             norm = world.total_gradient_norm(self._optimizer_params[key])
         if norm is not None:
             stats.grad_norm[name] = norm

@@ -1,0 +1,212 @@
+"""`MetricLog`: the metrics of a run — the last value sent of each (`logged`), the values
+waiting for the next log step (`pending`), the sums of a validation run, and the nested
+round of values logged from `on_log`. A component of the trainer with no trainer in it: it
+sends through the function it is given (the trainer's: every callback's `on_log` under the
+current step).
+
+Nothing logged is lost silently: a value that is not a number raises at the call
+(`check_metrics`); a value logged on a step that is not a log step is kept (the latest per
+name) and sent at the next log step or at the end of the epoch; a value logged from
+`on_log` is sent right after the dispatch under way, under the same step (one nested
+round: logging from that nested dispatch raises `LogRecursionError`); a non-number put into
+the dict `on_log` receives raises there (`OnLogMetrics`).
+
+Transient: nothing here goes into a checkpoint (a resumed run logs afresh).
+"""
+
+from __future__ import annotations
+
+import numbers
+import sys
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from dream_trainer.protocol.base import Callback
+from dream_trainer.utils import to_floats
+
+
+class _Reducer(Protocol):
+    """What `MetricLog.validation_means` needs of the world."""
+
+    device: torch.device
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = ...) -> torch.Tensor: ...
+
+
+class MetricLog:
+    """What was logged, and what waits to be sent.
+
+    Attributes:
+        logged: the last value of every metric sent (``trainer.logged_metrics``).
+        pending: values logged inside a training step that is not a log step, the latest
+            per name, sent with the next log step's metrics (or at the epoch's end).
+        gate: None outside a training step (a log call is sent at once); inside one, True
+            on a log step (sent with the step's metrics) and False otherwise (kept).
+    """
+
+    def __init__(self, send: Callable[[OnLogMetrics], None]):
+        self._send_fn = send
+        self.logged: dict[str, float] = {}
+        self.pending: dict[str, Any] = {}
+        self.gate: bool | None = None
+        self._queue: list[dict[str, Any]] | None = None  # set while on_log runs: logs made there
+        self._nested = False  # True while the values logged from an on_log are dispatched
+        self._val_sums: dict[str, list[Any]] = {}
+
+    def log(self, metrics: dict[str, Any], validating: bool = False) -> None:
+        """A checked `log_dict` call: queued for the nested round (from an `on_log`),
+        summed (during validation), sent now (outside a step, with what was kept) or kept
+        for the step's log (inside a step)."""
+        if self._queue is not None:  # from an on_log: right after this dispatch, same step
+            self._queue_nested(metrics)
+        elif validating:
+            self.accumulate(metrics)
+        elif self.gate is None:
+            pending, self.pending = self.pending, {}
+            self.dispatch({**pending, **metrics})
+        else:
+            self.pending.update(metrics)
+
+    def dispatch(self, metrics: dict[str, Any]) -> None:
+        """Send `metrics`, then (one nested round) what the `on_log` hooks logged."""
+        if not metrics:
+            return
+        if self._queue is not None:  # logged from an on_log: sent after this dispatch
+            self._queue_nested(metrics)
+            return
+        self._queue = []
+        try:
+            self._send(metrics)
+            nested, self._queue, self._nested = self._queue, [], True
+            for logged in nested:  # one on_log per call made, in order: none overwrites another
+                self._send(logged)
+        finally:
+            self._queue, self._nested = None, False
+
+    def send_step(self, own: dict[str, Any]) -> None:
+        """A log step: the trainer's own metrics with what was kept since the last one, in
+        one dispatch."""
+        metrics = {**own, **self.pending}
+        self.pending = {}
+        self.dispatch(metrics)
+
+    def flush(self) -> None:
+        """Send what was kept (the end of an epoch): nothing logged is dropped."""
+        pending, self.pending = self.pending, {}
+        self.dispatch(pending)
+
+    def _send(self, metrics: dict[str, Any]) -> None:
+        floats = OnLogMetrics(to_floats(metrics))
+        self.logged.update(floats)
+        self._send_fn(floats)
+        self.logged.update(floats)  # with what the callbacks added or edited there
+
+    def _queue_nested(self, metrics: dict[str, Any]) -> None:
+        """A log call from an `on_log`: queued for the nested round, or (from the nested
+        round itself, which would never end) `LogRecursionError`."""
+        if self._nested:
+            raise LogRecursionError(
+                f"callback {_on_log_caller()} logged {sorted(metrics)} from on_log while the values logged from "
+                "an on_log were dispatched. Values logged from on_log are dispatched once more, right after, under "
+                "the same step; logging from that nested dispatch too would never end. Log only in response to the "
+                "metrics that call for it (e.g. `if 'train/loss' in metrics:`)"
+            )
+        pending, self.pending = self.pending, {}  # kept values go with the next dispatch
+        self._queue.append({**pending, **metrics})  # type: ignore[union-attr]
+
+    # ------------------------------------------------------------------ validation
+    def start_validation(self) -> None:
+        """Forget the sums of the previous validation run."""
+        self._val_sums = {}
+
+    def accumulate(self, metrics: dict[str, Any]) -> None:
+        """Add a validation step's scalars to the run's sums."""
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+                entry = self._val_sums.setdefault(key, [0.0, 0])
+                entry[0] = entry[0] + value
+                entry[1] += 1
+
+    def validation_means(self, world: _Reducer) -> dict[str, Any]:
+        """Means of the accumulated validation metrics over batches and data-parallel ranks
+        (one collective for all of them)."""
+        if not self._val_sums:
+            return {}
+        keys = sorted(self._val_sums)
+        means = torch.stack([
+            torch.as_tensor(self._val_sums[k][0], dtype=torch.float32, device=world.device).reshape(())
+            / self._val_sums[k][1] for k in keys
+        ])
+        world.all_reduce(means, "mean")
+        return dict(zip(keys, means.unbind()))
+
+
+def check_metrics(metrics: Any) -> None:
+    """`TypeError` at the call for what cannot be logged (it would break every sink later)."""
+    if not isinstance(metrics, dict):
+        raise TypeError(f"log_dict takes a dict of name -> number, got {type(metrics).__name__}")
+    for name, value in metrics.items():
+        if not isinstance(name, str):
+            raise TypeError(f"metric names are strings, got {name!r} ({type(name).__name__})")
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1 or value.dtype.is_complex:
+                raise TypeError(
+                    f"metric {name!r}: a tensor of shape {tuple(value.shape)} and dtype {value.dtype} cannot be "
+                    "logged; log a one-element real tensor (e.g. its mean)"
+                )
+        elif not isinstance(value, numbers.Real):
+            raise TypeError(f"metric {name!r}={value!r} ({type(value).__name__}) is not a number or a one-element tensor")
+
+
+class LogRecursionError(RuntimeError):
+    """A callback logged from `on_log` during the nested dispatch of values logged from an
+    `on_log` (which would re-dispatch without end)."""
+
+
+class OnLogMetrics(dict):  # type: ignore[type-arg]
+    """The ``metrics`` dict every `on_log` receives: one dict for all the callbacks of a
+    dispatch, so an entry a callback adds or edits is seen by the callbacks after it (and
+    lands in ``trainer.logged_metrics``). What is put there is checked like `log_dict`
+    checks it (a number or a one-element real tensor, stored as a float); anything else
+    raises `TypeError` at the assignment, naming the callback and the key, before it can
+    reach a sink. Copy it (``dict(metrics)``) to keep it past the hook."""
+
+    __slots__ = ()
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        try:
+            check_metrics({key: value})
+        except TypeError as exc:
+            raise TypeError(f"callback {_on_log_caller()} put a value into on_log's metrics that cannot be logged: "
+                            f"{exc}") from None
+        # float() reads a tensor to the host: on_log runs on log steps only.
+        super().__setitem__(key, float(value))
+
+    def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def __ior__(self, other: Any) -> OnLogMetrics:  # type: ignore[override,misc]
+        self.update(other)
+        return self
+
+
+def _on_log_caller() -> str:
+    """The callback whose hook is running (the innermost frame whose ``self`` is a
+    `Callback`), by its name in the trainer's collection. Only on the error paths."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        callback = frame.f_locals.get("self")
+        if isinstance(callback, Callback):
+            collection = getattr(getattr(callback, "trainer", None), "callbacks", None)
+            names = [name for name, cb in collection.items() if cb is callback] if collection is not None else []
+            return f"{names[0]!r} ({type(callback).__name__})" if names else repr(type(callback).__name__)
+        frame = frame.f_back  # type: ignore[assignment]
+    return "(an on_log hook)"

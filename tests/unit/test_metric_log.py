@@ -1,0 +1,112 @@
+"""`MetricLog` on its own: no trainer, a list as the `on_log` sink."""
+
+import pytest
+import torch
+
+from dream_trainer.trainer.metric_log import LogRecursionError, MetricLog, OnLogMetrics, check_metrics
+
+
+class Sink:
+    """Records what was sent; optionally logs back into the log from its 'on_log'."""
+
+    def __init__(self):
+        self.sent: list[dict[str, float]] = []
+        self.reply = None  # called with (log, metrics) on every send
+
+    def __call__(self, metrics):
+        assert isinstance(metrics, OnLogMetrics)
+        self.sent.append(dict(metrics))
+        if self.reply is not None:
+            self.reply(self.log, metrics)
+
+
+def make():
+    sink = Sink()
+    log = MetricLog(sink)
+    sink.log = log
+    return log, sink
+
+
+def test_outside_a_step_a_value_is_sent_at_once_as_a_float():
+    log, sink = make()
+    log.log({"a": torch.tensor(2.0), "b": 3})
+    assert sink.sent == [{"a": 2.0, "b": 3.0}] and log.logged == {"a": 2.0, "b": 3.0}
+
+
+def test_inside_a_step_values_wait_for_the_log_step_then_go_with_its_own():
+    log, sink = make()
+    log.gate = False  # a step that is not a log step
+    log.log({"x": 1.0})
+    log.log({"x": 2.0})  # the latest per name is kept
+    assert sink.sent == [] and log.pending == {"x": 2.0}
+    log.gate = True
+    log.log({"y": 5.0})
+    log.send_step({"train/loss": torch.tensor(0.5)})
+    assert sink.sent == [{"train/loss": 0.5, "x": 2.0, "y": 5.0}] and log.pending == {}
+
+
+def test_the_end_of_an_epoch_flushes_what_was_kept():
+    log, sink = make()
+    log.gate = False
+    log.log({"kept": 1.0})
+    log.gate = None
+    log.flush()
+    log.flush()  # nothing left: no empty dispatch
+    assert sink.sent == [{"kept": 1.0}]
+
+
+def test_a_value_logged_from_on_log_goes_right_after_under_one_nested_round():
+    log, sink = make()
+    sink.reply = lambda log, m: log.log({"derived": m["loss"] * 2}) if "loss" in m else None
+    log.log({"loss": 1.5})
+    assert sink.sent == [{"loss": 1.5}, {"derived": 3.0}] and log.logged["derived"] == 3.0
+
+
+def test_logging_from_the_nested_round_raises():
+    log, sink = make()
+    sink.reply = lambda log, m: log.log({"again": 1.0})
+    with pytest.raises(LogRecursionError, match=r"logged \['again'\] from on_log"):
+        log.log({"loss": 1.0})
+    sink.reply = None
+    log.log({"after": 1.0})  # the log is usable afterwards (the round was reset)
+    assert sink.sent[-1] == {"after": 1.0}
+
+
+def test_an_entry_edited_in_on_log_lands_in_logged_and_a_non_number_is_refused():
+    log, sink = make()
+
+    def edit(log, metrics):
+        metrics["added"] = torch.tensor(7.0)
+        with pytest.raises(TypeError, match="cannot be logged"):
+            metrics["bad"] = "text"
+
+    sink.reply = edit
+    log.log({"loss": 1.0})
+    assert log.logged == {"loss": 1.0, "added": 7.0}
+
+
+def test_validation_means_over_batches():
+    class OneRank:
+        device = torch.device("cpu")
+
+        def all_reduce(self, tensor, op="sum"):
+            return tensor
+
+    log, sink = make()
+    log.start_validation()
+    for value in (1.0, 2.0, torch.tensor(6.0)):
+        log.log({"val/loss": value}, validating=True)
+    assert sink.sent == []
+    means = log.validation_means(OneRank())
+    assert {k: float(v) for k, v in means.items()} == {"val/loss": 3.0}
+    log.start_validation()
+    assert log.validation_means(OneRank()) == {}
+
+
+def test_check_metrics_names_the_bad_value():
+    with pytest.raises(TypeError, match=r"metric 'm'=\[1\] \(list\)"):
+        check_metrics({"m": [1]})
+    with pytest.raises(TypeError, match="shape"):
+        check_metrics({"m": torch.ones(2)})
+    with pytest.raises(TypeError, match="names are strings"):
+        check_metrics({1: 1.0})
