@@ -76,14 +76,7 @@ class CheckpointCallback(Callback[BaseTrainer]):
         self._stager: Any = None
         self._after_validation = False
         self._at_epoch_end = False
-        self._subdirectory = ""
-
-    def use_subdirectory(self, name: str) -> None:
-        """Keep this job's checkpoints in ``<root_dir>/<name>`` when `CheckpointParameters.root_dir`
-        is given (the default root, ``<run_dir>/checkpoints``, follows the run directory): for
-        jobs that share a configuration but not their checkpoints, e.g. fault-tolerant replica
-        groups (``replica_group_<id>``). It applies from the next `post_configure` on."""
-        self._subdirectory = name
+        self.every_n_steps = self.params.every_n_steps  # the schedule in force (see post_configure)
 
     # ------------------------------------------------------------------ lifecycle
     def pre_launch(self) -> None:
@@ -101,7 +94,10 @@ class CheckpointCallback(Callback[BaseTrainer]):
         other callbacks see the restored state from `pre_setup` on."""
         trainer, world = self.trainer, self.trainer.world
         explicit = self.params.root_dir
-        self.root = Path(explicit) / self._subdirectory if explicit else trainer.run_dir / "checkpoints"
+        # A world sharing the run (a replica group) has its own directory under an explicit
+        # root too; the default root lies in the run directory, which already follows it.
+        self.root = Path(explicit) / (world.run_subdirectory or "") if explicit else trainer.run_dir / "checkpoints"
+        self.every_n_steps = self._schedule(world.checkpoint_interval)
         if self.params.async_mode != "off":
             # Background saves run collectives; on their own group they never interleave
             # with the training loop's.
@@ -118,12 +114,26 @@ class CheckpointCallback(Callback[BaseTrainer]):
         if path is not None:
             self.load(path)
 
+    def _schedule(self, needed: int | None) -> int | None:
+        """``every_n_steps`` in force: the world's `checkpoint_interval` when it needs one
+        (a fault-tolerant world), which a different ``CheckpointParameters.every_n_steps``
+        contradicts, else the parameters'."""
+        every = self.params.every_n_steps
+        if needed is None:
+            return every
+        if every is not None and every != needed:
+            raise ValueError(
+                f"FaultToleranceParameters.checkpoint_interval={needed} but CheckpointParameters.every_n_steps={every}: "
+                "set one of them"
+            )
+        return needed
+
     def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
         trainer = self.trainer
         if trainer.is_accumulating_gradients or trainer.step_skipped:  # nothing new to save
             return
         self._poll()
-        every, max_steps = self.params.every_n_steps, trainer.training_parameters.max_steps
+        every, max_steps = self.every_n_steps, trainer.training_parameters.max_steps
         run_ends = max_steps is not None and trainer.global_step >= max_steps
         if not ((every is not None and trainer.global_step % every == 0) or (run_ends and self.params.at_fit_end)):
             return

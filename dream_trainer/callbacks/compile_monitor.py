@@ -113,8 +113,9 @@ class CompileMonitor(Callback[DreamTrainer]):
         started, region = self._open.pop(str(args.compile_id), (None, None))
         if started is None or region is None:
             return
-        entry = self.regions[region]
-        entry["time_s"] += time.perf_counter() - started
+        entry, seconds = self.regions[region], time.perf_counter() - started
+        entry["time_s"] += seconds
+        self.trainer.build.add_compile_time(region, seconds)  # the trainer's record: what reports read
         first = entry["graphs"] == 0  # regions sharing one forward share dynamo's frame: not a recompile
         entry["graphs"] += 1
         frame_compile = str(args.compile_id).split("/")[-1].split("]")[0]

@@ -6,7 +6,6 @@ import json
 import logging
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -23,12 +22,14 @@ class FaultToleranceCallback(Callback[BaseTrainer]):
 
     - `pre_launch`: installs a `FaultTolerantWorld` (``trainer.set_world``): the lighthouse
       is checked before anything is built, the world's replicate dimension is torchft's.
-    - `pre_configure`: this group's files go to ``<run_dir>/replica_group_<id>/`` (logs,
-      checkpoints; an explicit `CheckpointParameters.root_dir` gets a ``replica_group_<id>``
-      subdirectory too), so the groups of one run never write the same files.
+    - this group's files go to ``<run_dir>/replica_group_<id>/`` (logs, checkpoints; an
+      explicit `CheckpointParameters.root_dir` gets a ``replica_group_<id>`` subdirectory
+      too), so the groups of one run never write the same files: the world's
+      `run_subdirectory`, which the trainer's ``run_dir`` and `CheckpointCallback` follow.
     - `post_configure`: the trainer's whole state (models, optimizers, schedulers, counters,
       callbacks, RNG and data position) is what a heal sends and loads; with
-      ``checkpoint_interval`` the run's `CheckpointCallback` saves every N steps.
+      ``checkpoint_interval`` the run's `CheckpointCallback` saves every N steps (the
+      world's `checkpoint_interval`).
     - `pre_setup`: a group resumes from the newest checkpoint of *any* group of the run it can
       see, when it is newer than its own (its peers may have finished or be gone); the first
       quorum fails with `FaultToleranceError` rather than train on from an older state than
@@ -68,13 +69,13 @@ class FaultToleranceCallback(Callback[BaseTrainer]):
         from dream_trainer.world.fault_tolerant import FaultTolerantWorld
 
         trainer = self.trainer
-        tp = trainer.training_parameters
-        if tp.max_steps is None:
+        training = trainer.training_parameters
+        if training.max_steps is None:
             raise ValueError("FaultToleranceCallback needs TrainingParameters(max_steps=...): fault-tolerant runs are "
                              "counted in committed steps (groups join and leave mid-epoch)")
-        if tp.train_steps_per_epoch is not None:
+        if training.train_steps_per_epoch is not None:
             raise ValueError(
-                f"TrainingParameters.train_steps_per_epoch={tp.train_steps_per_epoch} cannot be used with "
+                f"TrainingParameters.train_steps_per_epoch={training.train_steps_per_epoch} cannot be used with "
                 "FaultToleranceCallback: a group that joins mid-run continues from its peers' step, so fixed epochs "
                 "would not line up across groups; use max_steps and val_every_n_steps"
             )
@@ -82,12 +83,11 @@ class FaultToleranceCallback(Callback[BaseTrainer]):
         trainer.set_world(self.world)
 
     def pre_configure(self) -> None:
-        trainer, group = self.trainer, f"replica_group_{self.world.group_id}"
-        self._run_dir = Path(trainer.run_dir)
-        trainer.run_dir = self._run_dir / group
+        trainer = self.trainer
+        # The trainer's run directory is this group's (the world's run_subdirectory, which
+        # the checkpoint callback follows too); the run's, above it, holds every group's.
+        self._run_dir = Path(trainer.run_dir).parent
         trainer.run_dir.mkdir(parents=True, exist_ok=True)
-        for checkpoint in self._checkpoints():
-            checkpoint.use_subdirectory(group)
         if self.world.rank == 0:
             self._file = open(trainer.run_dir / "fault_tolerance.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         self.world.on_event = self._record
@@ -115,21 +115,12 @@ class FaultToleranceCallback(Callback[BaseTrainer]):
         return [cb for cb in self.trainer.callbacks if isinstance(cb, CheckpointCallback)]
 
     def _checkpoint_schedule(self) -> None:
+        """``checkpoint_interval`` is applied by the checkpoint callback (it reads the world's
+        `checkpoint_interval`); here: that there is one to apply it."""
         interval = self.params.checkpoint_interval
-        if interval is None:
-            return
-        found = self._checkpoints()
-        if not found:
+        if interval is not None and not self._checkpoints():
             raise ValueError(f"FaultToleranceParameters.checkpoint_interval={interval} needs a CheckpointCallback "
                              "in the callbacks")
-        for checkpoint in found:
-            every = checkpoint.params.every_n_steps
-            if every is not None and every != interval:
-                raise ValueError(
-                    f"FaultToleranceParameters.checkpoint_interval={interval} but CheckpointParameters."
-                    f"every_n_steps={every}: set one of them"
-                )
-            checkpoint.params = replace(checkpoint.params, every_n_steps=interval)
 
     def pre_setup(self) -> None:
         """Resume from the newest checkpoint any group of this run committed, when it is newer

@@ -171,7 +171,7 @@ class Fp8Quantization(Callback[DreamTrainer]):
         self.converted[name] = [fqn for fqn, m in converted.named_modules() if isinstance(m, Float8Linear)]
         self.skipped[name] = skipped
         if self.converted[name]:  # only a model with float8 layers is float8 (TP styles, scale precompute)
-            trainer.float8[name] = recipe
+            trainer.build.record_float8(name, recipe)
             if all_gather:
                 self._precompute.append(converted)
         how = ("native float8 matmuls" if hardware.native else "float8 matmuls emulated") + (

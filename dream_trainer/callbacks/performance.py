@@ -36,7 +36,7 @@ class PerformanceReport(RankZeroCallback[BaseTrainer]):
       (`peak_flops` per device, or a known GPU);
     - peak memory since `fit()` started training (``trainer.world.memory_status()``: the
       device's allocated memory on CUDA, the process's resident set on CPU), compile time
-      (from a `CompileMonitor`, if there is one);
+      (``trainer.build.total_compile_time_s``: measured when a `CompileMonitor` runs);
     - findings, computed from those numbers: a dataloader-, optimizer- or callback-bound
       run, irregular step times, a long warm-up; or none.
 
@@ -132,10 +132,8 @@ class PerformanceReport(RankZeroCallback[BaseTrainer]):
         per_rank_samples = sum(r["samples"] for r in steady) / total
         per_rank_tokens = sum(r["tokens"] for r in steady) / total if stats.total_tokens else None
         dp = trainer.world.dp_size
-        from dream_trainer.callbacks.compile_monitor import CompileMonitor
-
-        monitors = [cb for cb in trainer.callbacks if isinstance(cb, CompileMonitor)]
-        compile_s = monitors[0].summary()["time_s"] if monitors else None
+        build = getattr(trainer, "build", None)  # a DreamTrainer's BuildRecord (compile time: CompileMonitor's)
+        compile_s = build.total_compile_time_s if build is not None else None
         report = {
             "steps_measured": len(rows), "measure_every": self.measure_every, "warmup_steps": self.warmup_steps,
             "step_time_s": {"median": _q(times, 0.5), "p90": _q(times, 0.9), "mean": total / max(1, len(steady))},

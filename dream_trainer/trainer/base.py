@@ -148,15 +148,15 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
             raise ValueError(
                 f"{type(self).__name__} has no training data: set self.train_dataloader in configure()"
             )
-        tp = self.training_parameters
-        self.train_steps_per_epoch = self._agreed_length(self.train_dataloader, tp.train_steps_per_epoch, "train")
+        training = self.training_parameters
+        self.train_steps_per_epoch = self._agreed_length(self.train_dataloader, training.train_steps_per_epoch, "train")
         if self.train_steps_per_epoch == 0:
             raise ValueError(
                 f"the training dataloader is empty (len 0 on at least one rank; dp_rank={self.world.dp_rank}, "
                 f"dp_size={self.world.dp_size}): give every data-parallel rank at least one batch"
             )
         if self.val_dataloader is not None:
-            self.val_steps_per_epoch = self._agreed_length(self.val_dataloader, tp.val_steps_per_epoch, "val")
+            self.val_steps_per_epoch = self._agreed_length(self.val_dataloader, training.val_steps_per_epoch, "val")
         if not self.world.global_agreement((self.seed, self.train_steps_per_epoch)):
             raise RuntimeError("ranks disagree on the seed or the epoch length; see the configuration")
         self._check_metric_schedulers()
@@ -271,8 +271,8 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
             )
 
     def _fit_loop(self) -> None:
-        tp = self.training_parameters
-        if self.val_dataloader is not None and tp.num_sanity_val_steps and not self.resumed:
+        training = self.training_parameters
+        if self.val_dataloader is not None and training.num_sanity_val_steps and not self.resumed:
             self._validate(sanity=True)
         self._control_point()  # requests from pre_fit and the sanity check
         while not self._done():
@@ -281,7 +281,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
             cb.pre_train_epoch()
             result = self._train_epoch()
             cb.post_train_epoch(result)
-            if tp.validate_at_epoch_end and self._last_val_step != self.global_step:
+            if training.validate_at_epoch_end and self._last_val_step != self.global_step:
                 self._validate()
             if self.val_dataloader is None:
                 self._step_metric_schedulers()
@@ -292,15 +292,15 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
             self._control_point()
 
     def _done(self) -> bool:
-        tp = self.training_parameters
-        return (tp.n_epochs is not None and self.current_epoch >= tp.n_epochs) or (
-            tp.max_steps is not None and self.global_step >= tp.max_steps
+        training = self.training_parameters
+        return (training.n_epochs is not None and self.current_epoch >= training.n_epochs) or (
+            training.max_steps is not None and self.global_step >= training.max_steps
         )
 
     # ================================================================== training
     def _train_epoch(self) -> dict[str, Any]:
-        tp, cb = self.training_parameters, self.callbacks
-        accumulation = tp.gradient_accumulation_steps
+        training, cb = self.training_parameters, self.callbacks
+        accumulation = training.gradient_accumulation_steps
         move = self.world.device.type != "cpu"
         for model in self.named_models().values():
             model.train()
@@ -317,7 +317,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
                 self.local_batches = batch_idx + 1
                 self.is_accumulating_gradients = accumulating = not is_last and (batch_idx + 1) % accumulation != 0
                 self.is_last_batch = is_last or (
-                    not accumulating and tp.max_steps is not None and self.global_step + 1 >= tp.max_steps
+                    not accumulating and training.max_steps is not None and self.global_step + 1 >= training.max_steps
                 )
                 self.metric_log.gate = not accumulating and self._log_step_kind(self.global_step + 1) > 0
                 self._batch_arrived(batch)
@@ -346,7 +346,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
                         self._validate()
                         self._step_end = time.perf_counter()  # a step's time leaves validation out
                     self._control_point(blocking=validated)
-                    if tp.max_steps is not None and self.global_step >= tp.max_steps:
+                    if training.max_steps is not None and self.global_step >= training.max_steps:
                         break
                 self._fetch_start = time.perf_counter()
             else:
@@ -466,13 +466,15 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
     def _agree_on_run_identity(self) -> None:
         """Every rank takes rank 0's run name, directory and seed. Run name: the config's,
         else the launcher's (`RunIdentity`), else a timestamp. Run directory and seed: the
-        launcher's when it set them, else from the config."""
+        launcher's when it set them, else from the config; the run directory ends in the
+        world's `run_subdirectory` when it has one."""
         env, cfg = RunIdentity.from_env(), self.config
         run_name = cfg.run_name or env.run_name or time.strftime("%Y%m%d-%H%M%S")
         run_dir = env.run_dir or os.path.join(cfg.root_dir, env.experiment or cfg.experiment, run_name)
         seed = env.seed if env.seed is not None else cfg.seed
         self.run_name, run_dir, self.seed = self.world.broadcast_object((run_name, run_dir, seed))
-        self.run_dir = Path(run_dir)
+        # A world that shares the run with others (a replica group) keeps its files apart.
+        self.run_dir = Path(run_dir) / (self.world.run_subdirectory or "")
         if self.world.is_rank_zero:
             self.run_dir.mkdir(parents=True, exist_ok=True)
 

@@ -87,12 +87,12 @@ class DataMixin(AbstractTrainer):
         A plan: steps that are skipped (vetoes, skipped batches) do not shorten it. The same
         on every rank (it is computed from the configuration and the agreed epoch length),
         known from ``post_setup`` on, and cheap (no communication): read it anywhere."""
-        tp = self.training_parameters  # type: ignore[attr-defined]
+        training = self.training_parameters  # type: ignore[attr-defined]
         by_epochs = None
         batches = self._planned_epoch_batches()
-        if tp.n_epochs is not None and batches is not None:
-            by_epochs = tp.n_epochs * -(-batches // tp.gradient_accumulation_steps)
-        candidates = [n for n in (tp.max_steps, by_epochs) if n is not None]
+        if training.n_epochs is not None and batches is not None:
+            by_epochs = training.n_epochs * -(-batches // training.gradient_accumulation_steps)
+        candidates = [n for n in (training.max_steps, by_epochs) if n is not None]
         return min(candidates) if candidates else None
 
     def _planned_epoch_batches(self) -> int | None:

@@ -25,54 +25,52 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dream_trainer.trainer.base import BaseTrainer, _must_override
+from dream_trainer.trainer.records import BuildRecord, CompiledModule
 from dream_trainer.trainer.weights import full_size_parameters, shared_parameters, tie
 from dream_trainer.utils import seed_everything
 
 logger = logging.getLogger(__name__)
 
 
-class CompiledModule(NamedTuple):
-    """What `DreamTrainer.compiled_modules` records for each compiled region."""
-
-    module: nn.Module
-    """The module as written (its ``forward`` is what ``torch.compile`` traces)."""
-    options: dict[str, Any] | None
-    """The ``torch.compile`` options it was compiled with (None: compiled outside
-    `compile_module`, options unknown)."""
-
-
 class DreamTrainer(BaseTrainer):
     """A trainer that builds models on the meta device and parallelizes them from config.
 
     Attributes:
-        float8: ``{model name: recipe}`` of the models converted to float8 training (by
-            `Fp8Quantization`, before parallelization): an ``apply_tensor_parallel`` can
-            choose torchao's float8 TP styles from it.
-        compiled_modules: the compiled regions, ``{"<model>.<submodule path>": CompiledModule}``
-            in module order (empty when nothing was compiled): what `apply_compile` compiled,
-            through `compile_module` or ``module.compile()``.
+        build: what was compiled, sharded and converted to float8 (`BuildRecord`), read
+            through `compiled_modules`, `fsdp_modules` and `float8` too.
     """
 
     required_methods = ("configure_models", "configure_optimizers", "configure_dataloaders", "training_step")
 
     def __init__(self, config: Any):
         super().__init__(config)
-        self.compiled_modules: dict[str, CompiledModule] = {}
-        self.float8: dict[str, str] = {}  # model name -> float8 recipe, set by Fp8Quantization
-        self._compile_options: dict[int, dict[str, Any]] = {}
-        self._fsdp_modules: dict[str, dict[str, nn.Module]] = {}
+        self.build = BuildRecord()
+
+    @property
+    def compiled_modules(self) -> dict[str, CompiledModule]:
+        """The compiled regions, ``{"<model>.<submodule path>": CompiledModule}`` in module
+        order (empty when nothing was compiled): what `apply_compile` compiled, through
+        `compile_module` or ``module.compile()``."""
+        return self.build.compiled
+
+    @property
+    def float8(self) -> dict[str, str]:
+        """``{model name: recipe}`` of the models converted to float8 training (by
+        `Fp8Quantization`, before parallelization): an ``apply_tensor_parallel`` can choose
+        torchao's float8 TP styles from it."""
+        return self.build.float8
 
     def compile_module(self, module: nn.Module, **options: Any) -> None:
         """``module.compile(**options)`` (in place), recorded in `compiled_modules` with its
         options. Use it in `apply_compile`."""
-        self._compile_options[id(module)] = dict(options)
+        self.build.compile_options(module, options)
         module.compile(**options)
 
     def fsdp_modules(self, model: str | nn.Module) -> dict[str, nn.Module]:
@@ -86,7 +84,7 @@ class DreamTrainer(BaseTrainer):
             model = names[0]
         if model not in self.named_models():
             raise KeyError(f"no model named {model!r}; the trainer has: {list(self.named_models())}")
-        return dict(self._fsdp_modules.get(model, {}))
+        return dict(self.build.sharded.get(model, {}))
 
     # ================================================================== user hooks
     @_must_override
@@ -180,7 +178,7 @@ class DreamTrainer(BaseTrainer):
             self._record_compiled()
         if plan.dp_shard > 1:
             self.apply_fully_shard(world.fsdp_config)
-            self._record_sharded()
+            self.build.record_sharded(self.named_models())
         elif plan.dp_replicate > 1:
             self.apply_replicate(world.get_mesh("dp_replicate"))
 
@@ -220,29 +218,12 @@ class DreamTrainer(BaseTrainer):
             )
 
     def _record_compiled(self) -> None:
-        from torch._dynamo.eval_frame import OptimizedModule
-
-        self.compiled_modules = {}
-        for model_name, model in self.named_models().items():
-            for path, module in model.named_modules():
-                name = f"{model_name}.{path}" if path else model_name
-                if isinstance(module, OptimizedModule):  # torch.compile(module) assigned back
-                    self.compiled_modules[name] = CompiledModule(module._orig_mod, None)
-                elif getattr(module, "_compiled_call_impl", None) is not None:  # module.compile()
-                    self.compiled_modules[name] = CompiledModule(module, self._compile_options.get(id(module)))
-        if not self.compiled_modules:
+        self.build.record_compiled(self.named_models())
+        if not self.build.compiled:
             logger.warning(
                 "DeviceParameters.compile_model=True but %s.apply_compile() compiled nothing this trainer can "
                 "see (use self.compile_module(module) or module.compile())", type(self).__name__
             )
-
-    def _record_sharded(self) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
-        self._fsdp_modules = {
-            model_name: {path: m for path, m in model.named_modules() if isinstance(m, FSDPModule)}
-            for model_name, model in self.named_models().items()
-        }
 
     def materialize(self) -> None:
         """Allocate the meta-device models on the world's device, seed, `init_weights()`,

@@ -231,6 +231,17 @@ class FaultTolerantWorld(DistributedWorld):
     bucket_mb = 25.0
     """The size of a bucket of the cross-group gradient all-reduce (`GradientBuckets`)."""
 
+    @property
+    def run_subdirectory(self) -> str:
+        """``replica_group_<id>``: each group keeps its files (logs, checkpoints, events)
+        apart, also when the groups share an explicit checkpoint root."""
+        return f"replica_group_{self.group_id}"
+
+    @property
+    def checkpoint_interval(self) -> int | None:
+        """``FaultToleranceParameters.checkpoint_interval``."""
+        return self.ft.checkpoint_interval
+
     def __init__(self, device_parameters: DeviceParameters | None, params: FaultToleranceParameters):
         if not isinstance(params, FaultToleranceParameters):
             raise TypeError(f"FaultTolerantWorld takes a FaultToleranceParameters, got {type(params).__name__}")

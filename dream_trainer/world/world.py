@@ -408,6 +408,22 @@ class DistributedWorld:
             torch._foreach_mul_(grads, coefficient.to(grads[0].device))
         return total
 
+    # ------------------------------------------------------------------ the run's files (seams)
+    @property
+    def run_subdirectory(self) -> str | None:
+        """A directory of its own, under the run's directory and under an explicit
+        checkpoint root, for this world's files, when it is one of several worlds that share a
+        run (a fault-tolerant replica group: ``replica_group_<id>``). None here: the run's
+        directory is this world's. The trainer's ``run_dir`` and `CheckpointCallback` follow it."""
+        return None
+
+    @property
+    def checkpoint_interval(self) -> int | None:
+        """How often, in optimizer steps, this world needs the run's state on disk (a
+        fault-tolerant world: ``FaultToleranceParameters.checkpoint_interval``, for a restart
+        of every group at once). None here: the checkpoint callback's own schedule."""
+        return None
+
     # ------------------------------------------------------------------ the step (seams)
     announces_batches: bool = False
     """Whether the trainer calls `before_batch` before fetching each training batch (a

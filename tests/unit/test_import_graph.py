@@ -77,3 +77,16 @@ def test_the_packages_import_each_other_without_a_cycle():
         if start not in done:
             visit(start, [start])
     assert cycles == []
+
+
+COMPONENTS = ("dream_trainer.trainer.control", "dream_trainer.trainer.metric_log", "dream_trainer.trainer.records",
+              "dream_trainer.trainer.telemetry")
+
+
+def test_the_trainer_components_import_no_trainer():
+    """Components own their state with no trainer in them: they import the protocol and the
+    utilities at most, never another trainer module (the trainer composes them)."""
+    assert set(COMPONENTS) <= set(GRAPH)
+    offending = sorted(f"{m} imports {i}" for m in COMPONENTS for i in GRAPH[m]
+                       if i.startswith("dream_trainer.trainer") or _unit(i) in ("callbacks", "world", "checkpoint"))
+    assert offending == []

@@ -236,11 +236,12 @@ class Ragged(ToyTrainer):
         return super().training_step((x[:n], y[:n]), batch_idx)
 
 
-def test_compile_monitor_counts_compiles_and_recompiles_per_region(caplog):
+def test_compile_monitor_counts_compiles_and_recompiles_per_region(caplog, tmp_path):
     monitor = CompileMonitor(warn_after=2)
     torch._logging.set_logs(recompiles=True)
     try:
-        trainer = Ragged(config([monitor], compile_model=True, log_every=4))
+        trainer = Ragged(config([monitor, PerformanceReport(output_dir=tmp_path, warmup_steps=0)], compile_model=True,
+                                log_every=4))
         trainer.fit()
     finally:
         torch._logging.set_logs()
@@ -251,6 +252,11 @@ def test_compile_monitor_counts_compiles_and_recompiles_per_region(caplog):
     assert summary["recompiles"] == 6 and any("size mismatch" in r for r in summary["regions"]["model.0"]["reasons"])
     assert "compiled region 'model.0' recompiled" in caplog.text
     assert trainer.logged_metrics["compile/model.0/recompiles"] == 3
+    # The compile time is a record of the trainer (trainer.build) that the report reads,
+    # not a field of the monitor the report would have to find.
+    assert trainer.build.compile_time_s == pytest.approx({n: r["time_s"] for n, r in summary["regions"].items()})
+    report = json.loads((tmp_path / "performance_report.json").read_text())
+    assert report["compile_time_s"] == pytest.approx(summary["time_s"]) and summary["time_s"] > 0
 
 
 # -------------------------------------------------------------------- PerformanceReport
