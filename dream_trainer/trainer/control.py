@@ -83,7 +83,8 @@ class ControlPlane:
 
     def reset(self) -> None:
         """Forget every request and the agreement in flight (a new `fit()`)."""
-        self.__init__()  # type: ignore[misc]
+        self.signal = self.stop_request = self._work = None
+        self.disable_requests = {}
 
     # ------------------------------------------------------------------ requests
     def request_stop(self, reason: str) -> bool:
