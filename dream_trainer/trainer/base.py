@@ -128,8 +128,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         """Whether this rank has asked to stop (not yet acted on)."""
         return self.control.stop_requested
 
-    def _control_point(self, blocking: bool = True) -> None:
-        """Every rank acts on the agreed requests here (`ControlPlane.decide`)."""
+    def _control_point(self, blocking: bool = True) -> None:  # every rank acts on the agreed requests here
         self.control.decide(self.world, self.callbacks, blocking)
 
     required_methods: ClassVar[tuple[str, ...]] = ("configure", "training_step")

@@ -50,8 +50,7 @@ class FaultToleranceError(RuntimeError):
     lighthouse, an unresolvable hostname, more replica failures than `max_failures`)."""
 
 
-_HANDLED = ("got exception waiting for work", "got exception in future", "got exception in all reduce",
-            "got exception in pg configure")
+_HANDLED = ("got exception waiting for work", "got exception in future", "got exception in all reduce", "got exception in pg configure")
 
 
 def _refused_heal(record: logging.LogRecord) -> bool:
@@ -223,24 +222,13 @@ class FaultTolerantWorld(DistributedWorld):
             read. Set by `FaultToleranceCallback` before training; the first quorum checks
             this group against it (`dream_trainer.world.ft_history.check_progress`).
         gradients: the bucketed cross-group gradient all-reduce (after `launch`).
-        bind_host, addresses: the address this rank's servers listen on, and their URLs
-            (``heal``; ``manager`` on group rank 0), after `launch` (`ft_transport`).
+        bind_host, addresses: the address this rank's servers listen on, and their URLs (``heal``; ``manager``
+            on group rank 0), after `launch` (`ft_transport`).
     """
 
     announces_batches = True
     bucket_mb = 25.0
     """The size of a bucket of the cross-group gradient all-reduce (`GradientBuckets`)."""
-
-    @property
-    def run_subdirectory(self) -> str:
-        """``replica_group_<id>``: each group keeps its files (logs, checkpoints, events)
-        apart, also when the groups share an explicit checkpoint root."""
-        return f"replica_group_{self.group_id}"
-
-    @property
-    def checkpoint_interval(self) -> int | None:
-        """``FaultToleranceParameters.checkpoint_interval``."""
-        return self.ft.checkpoint_interval
 
     def __init__(self, device_parameters: DeviceParameters | None, params: FaultToleranceParameters):
         if not isinstance(params, FaultToleranceParameters):
@@ -248,6 +236,7 @@ class FaultTolerantWorld(DistributedWorld):
         super().__init__(device_parameters)
         self.ft = params
         self.group_id = _group_id(params)
+        self.run_subdirectory, self.checkpoint_interval = f"replica_group_{self.group_id}", params.checkpoint_interval
         self.lighthouse = lighthouse_address(params)
         check_heartbeat(params, self.lighthouse)
         self.hostname = resolve_hostname(params.hostname, self.lighthouse)

@@ -409,20 +409,16 @@ class DistributedWorld:
         return total
 
     # ------------------------------------------------------------------ the run's files (seams)
-    @property
-    def run_subdirectory(self) -> str | None:
-        """A directory of its own, under the run's directory and under an explicit
-        checkpoint root, for this world's files, when it is one of several worlds that share a
-        run (a fault-tolerant replica group: ``replica_group_<id>``). None here: the run's
-        directory is this world's. The trainer's ``run_dir`` and `CheckpointCallback` follow it."""
-        return None
+    run_subdirectory: str | None = None
+    """A directory of its own, under the run's directory and under an explicit checkpoint
+    root, for this world's files, when it is one of several worlds that share a run (a
+    fault-tolerant replica group: ``replica_group_<id>``). None here: the run's directory is
+    this world's. The trainer's ``run_dir`` and `CheckpointCallback` follow it."""
 
-    @property
-    def checkpoint_interval(self) -> int | None:
-        """How often, in optimizer steps, this world needs the run's state on disk (a
-        fault-tolerant world: ``FaultToleranceParameters.checkpoint_interval``, for a restart
-        of every group at once). None here: the checkpoint callback's own schedule."""
-        return None
+    checkpoint_interval: int | None = None
+    """How often, in optimizer steps, this world needs the run's state on disk (a
+    fault-tolerant world: ``FaultToleranceParameters.checkpoint_interval``, for a restart of
+    every group at once). None here: the checkpoint callback's own schedule."""
 
     # ------------------------------------------------------------------ the step (seams)
     announces_batches: bool = False

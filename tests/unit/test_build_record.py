@@ -49,8 +49,8 @@ def test_float8_and_compile_time_are_recorded_through_checked_methods():
 class SharedRunWorld(DistributedWorld):
     """A world that is one of several sharing a run (what a fault-tolerant replica group is)."""
 
-    run_subdirectory = "member_3"  # type: ignore[assignment]
-    checkpoint_interval = 2  # type: ignore[assignment]
+    run_subdirectory = "member_3"
+    checkpoint_interval = 2
 
 
 class UseWorld(Callback):
