@@ -122,9 +122,10 @@ class CheckpointCallback(Callback[BaseTrainer]):
         if needed is None:
             return every
         if every is not None and every != needed:
+            world = type(self.trainer.world).__name__
             raise ValueError(
-                f"FaultToleranceParameters.checkpoint_interval={needed} but CheckpointParameters.every_n_steps={every}: "
-                "set one of them"
+                f"the world ({world}) needs checkpoint_interval={needed} but CheckpointParameters.every_n_steps={every}: "
+                "set one of them (for a fault-tolerant run: FaultToleranceParameters.checkpoint_interval)"
             )
         return needed
 
