@@ -102,8 +102,8 @@ class FaultToleranceCallback(Callback[BaseTrainer]):
             )
         optimizer = next(iter(optimizers.values()))
         self.world.attach(
-            state_dict=lambda: _to_local(trainer.state_dict(native_optimizers=True)),
-            load_state_dict=lambda state: trainer.load_state_dict(_from_local(state, self.world), live=True),
+            state_dict=lambda: _to_local(trainer.state_dict()),  # the checkpoints' composition
+            load_state_dict=lambda state: trainer.load_state_dict(_from_local(state, self.world)),
             parameters=lambda: [p for group in optimizer.param_groups for p in group["params"]],
             accumulating=lambda: trainer.is_accumulating_gradients,
         )

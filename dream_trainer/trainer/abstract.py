@@ -7,22 +7,19 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import math
-
 import torch
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from dream_trainer.configs import TrainerConfig
+from dream_trainer.trainer.model_facts import ModelFacts, dense_flops_per_token
 from dream_trainer.world.world import DistributedWorld
 
 if TYPE_CHECKING:
     from dream_trainer.protocol.collection import CallbackCollection
 
 T = TypeVar("T")
-
-_UNSET: Any = object()  # model_flops_per_token: not set, estimated on the first read
 
 
 class AbstractTrainer(ABC):
@@ -45,10 +42,7 @@ class AbstractTrainer(ABC):
         self.global_step = 0
         self.current_epoch = 0
         self.local_batches = 0
-        self._param_owners: dict[int, str] = {}  # id(parameter) -> model name, see index_parameters
-        self._flops_per_token: float | None = _UNSET  # set by the user, else estimated once
-        self._estimated_flops: float | None = _UNSET
-        self._flops_per_sample: float | None = None
+        self.model_facts = ModelFacts()  # parameter owners, model FLOPs
 
     # ------------------------------------------------------------------ discovery
     def _named(self, kind: type[T]) -> dict[str, T]:
@@ -86,7 +80,7 @@ class AbstractTrainer(ABC):
         if first is None:
             return None
         models = self.named_models()
-        owner = self._param_owners.get(id(first))
+        owner = self.model_facts.owner(first)
         if owner in models:
             return models[owner]
         for model in models.values():
@@ -100,8 +94,7 @@ class AbstractTrainer(ABC):
         `fit()` calls it after `configure()`; call it again if models change later."""
         models = self.named_models()
         reshard(models.values())
-        self._param_owners = {id(p): name for name, model in models.items() for p in model.parameters()}
-        self._estimated_flops = _UNSET  # the models may have changed: estimate again when read
+        self.model_facts.index(models)  # the models may have changed: FLOPs estimated again when read
 
     # ------------------------------------------------------------------ model FLOPs
     @property
@@ -112,17 +105,11 @@ class AbstractTrainer(ABC):
         `estimate_model_flops_per_token()`, computed once, at the first read after the models
         are configured (the monitors read it in ``post_setup``). None: unknown (no models,
         or set to None)."""
-        if self._flops_per_token is not _UNSET:
-            return self._flops_per_token
-        if self._estimated_flops is _UNSET:
-            if not self.named_models():
-                return None  # not configured yet: estimate later
-            self._estimated_flops = _flops("estimate_model_flops_per_token()", self.estimate_model_flops_per_token())
-        return self._estimated_flops
+        return self.model_facts.flops_per_token(bool(self.named_models()), self.estimate_model_flops_per_token)
 
     @model_flops_per_token.setter
     def model_flops_per_token(self, value: float | None) -> None:
-        self._flops_per_token = _flops("model_flops_per_token", value)
+        self.model_facts.set_flops_per_token(value)
 
     def estimate_model_flops_per_token(self) -> float | None:
         """The default of `model_flops_per_token`: `dense_flops_per_token` of every model
@@ -136,11 +123,11 @@ class AbstractTrainer(ABC):
         have no token count (``count_batch`` gives none: images, tabular data). None unless
         set (``self.model_flops_per_sample = ...``); with tokens counted,
         `model_flops_per_token` is used instead."""
-        return self._flops_per_sample
+        return self.model_facts.flops_per_sample
 
     @model_flops_per_sample.setter
     def model_flops_per_sample(self, value: float | None) -> None:
-        self._flops_per_sample = _flops("model_flops_per_sample", value)
+        self.model_facts.set_flops_per_sample(value)
 
     # ------------------------------------------------------------------ state
     @abstractmethod
@@ -165,36 +152,6 @@ def reshard(models: Iterable[nn.Module]) -> None:
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
-
-
-def dense_flops_per_token(models: Iterable[nn.Module]) -> float:
-    """``6 * N``: the training FLOPs per token of a dense transformer (Kaplan et al. 2020,
-    "Scaling Laws for Neural Language Models": 2N forward, 4N backward), N being the
-    parameters outside embedding lookups (``nn.Embedding``, ``nn.EmbeddingBag``: a lookup
-    does no matmul), each counted once: a weight tied to an output layer counts, as that
-    layer's. Sharded parameters (DTensor) count at their full size, so every rank and
-    layout gets the same number. Left out: attention's sequence-length term
-    (``12 * n_layers * d_model * seq_len`` per token), small for short sequences; frozen
-    parameters count as trained."""
-    seen: set[int] = set()
-    n = 0
-    for model in models:
-        for module in model.modules():
-            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
-                continue
-            for p in module.parameters(recurse=False):
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    n += p.numel()
-    return 6.0 * n
-
-
-def _flops(name: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={value!r} is invalid: expected FLOPs as a finite number > 0, or None (unknown)")
-    return float(value)
 
 
 def _lookup(found: dict[str, T], name: str, what: str) -> T:

@@ -11,26 +11,24 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
-from torch.optim import Optimizer
 
 from dream_trainer.protocol.base import StopTraining
 from dream_trainer.protocol.collection import CallbackCollection
-from dream_trainer.configs import TrainerConfig
+from dream_trainer.configs import LoggingParameters, TrainerConfig, TrainingParameters
 from dream_trainer.launch import RunIdentity, exit_code_for, record_exit_code
 from dream_trainer.trainer.metric_log import MetricLog
 from dream_trainer.trainer.metrics import MetricsMixin
 from dream_trainer.trainer.control import ControlPlane, TrainingInterrupted
 from dream_trainer.trainer.data import DataMixin, set_epoch
+from dream_trainer.trainer.data_position import DataPosition
 from dream_trainer.trainer.state import StateMixin
-from dream_trainer.trainer.stepping import StepMixin, _needs_metric
-from dream_trainer.trainer.telemetry import StepStats
+from dream_trainer.trainer.stepping import StepMixin
+from dream_trainer.trainer.step_path import StepPath
 from dream_trainer.utils import detach_result, seed_everything, to_device
 from dream_trainer.world.world import DistributedWorld
 
@@ -57,8 +55,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         if not isinstance(config, TrainerConfig):
             raise TypeError(f"config must be a TrainerConfig, got {type(config).__name__}")
         self.config = config
-        self.training_parameters = config.training_parameters
-        self.logging_parameters = config.logging_parameters
+        self.data_position = DataPosition()  # agreed epoch lengths, where a resume continues the data
         self.world = DistributedWorld(config.device_parameters)  # a bad mesh plan fails here
         _check_plan(self.world)
         cbs = config.callbacks
@@ -72,32 +69,20 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         self.is_last_batch = False  # the current batch ends the epoch (or the run)
         self.seed: int | None = config.seed
         self.run_name: str | None = None
-        self.train_steps_per_epoch: int | None = None
-        self.val_steps_per_epoch: int | None = None
-        self.last_epoch_batches: int | None = None
         self.metric_log = MetricLog(self._send_to_callbacks)  # what was logged, what waits to be sent
-        self.step_stats = StepStats()
-        self.skipped_steps = self.skipped_batches = 0
-        self._skip_reason: str | None = None
-        self._skip_flag: tuple[torch.Tensor, str] | None = None
-        self._skip_batch_reason: str | None = None
-        self._grad_norm_wanted = self._track_backward_loss = self._stepped = self._step_open = False
-        self._step_agreed = False
-        self.display_fields: dict[str, str] = {}  # short status strings monitors publish for displays
-        self._step_end = self._fetch_start = 0.0
-        self._optimizer_params: dict[int, list[nn.Parameter]] = {}
-        self._optimizer_models: dict[int, nn.Module | None] = {}
-        self._optimizer_schedulers: dict[int, list[Any]] = {}
-        self._optimizer_names: dict[int, str] = {}
+        self.step_path = StepPath()  # telemetry, vetoes and skips, optimizer routes, the step cycle
         self._last_val_step: int | None = None
-        self._epoch_complete = False
-        self._data_snapshot: Any = None
-        self._loader_restored = False
-        self._resume_rng: dict[str, Any] | None = None
         self.control = ControlPlane()  # signals, stop and disable requests, agreed by every rank
-        self._timeout_relaxed = False
-        self._epoch_start_state: dict[str, Any] | None = None
-        self._resume_epoch_start: dict[str, Any] | None = None
+
+    @property
+    def training_parameters(self) -> TrainingParameters:
+        """``config.training_parameters``."""
+        return self.config.training_parameters
+
+    @property
+    def logging_parameters(self) -> LoggingParameters:
+        """``config.logging_parameters``."""
+        return self.config.logging_parameters
 
     def set_world(self, world: DistributedWorld) -> None:
         """Use `world` instead of the one built from the config: call it in `pre_launch`
@@ -176,79 +161,96 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
     def fit(self) -> None:
         """Run the whole lifecycle. `on_teardown` runs and the world is torn down on every
         path; a decision to stop (a signal, `StopTraining`) is agreed by every rank."""
-        cb = self.callbacks
         self._check_required_methods()
         self.control.reset()
         restore_signals = self.control.install_signal_handlers(lambda: self.status == "running")
         self.status = "running"
-        self._timeout_relaxed = False
+        self.step_path.timeout_relaxed = False
         failure: BaseException | None = None  # a critical callback's error at the end
         try:
-            cb.initialize(self)
-            cb.pre_launch()
-            self.world.launch()
-            self._agree_on_run_identity()
-            self._control_point()
-            if self.seed is not None:
-                seed_everything(self.seed)
-            cb.pre_configure()
-            self.configure()
-            self.index_parameters()
-            cb.post_configure()
-            self._control_point()
-            cb.pre_setup()
-            self.setup()
-            cb.post_setup()
-            self._control_point()
-            try:
-                cb.pre_fit()
-                self._fit_loop()
-                self._control_point()  # the last steps' requests: every rank ends alike
-                self.status = "completed"
-            except StopTraining as stop:
-                self._stopped(stop)
-            self.control.drain()
-            cb.post_fit()
-            try:
-                self._control_point()  # a stop asked for in post_fit: "stopped" everywhere
-            except StopTraining as stop:
-                self._stopped(stop)
+            self._lifecycle()
         except StopTraining as stop:
             self.control.drain()
             self._stopped(stop)
         except TrainingInterrupted as interrupt:
-            if not interrupt.at_step_boundary:
-                self.status = "failed"
-                cb.on_interrupt(interrupt)
-                raise
-            self.status, self.stop_reason = "preempted", interrupt.reason
-            logger.warning("preempted at step %d (%s)", self.global_step, interrupt.reason)
-            failures = cb.on_interrupt(interrupt)  # the checkpoint callback saves here
-            if failures:  # e.g. the preemption save failed: never report a resumable run
-                self.status = "failed"
-                raise failures[0] from interrupt
+            self._interrupted(interrupt)
         except BaseException as exc:
             self.status = "failed"
-            cb.on_interrupt(exc)
+            self.callbacks.on_interrupt(exc)
             raise
         finally:
             restore_signals()
-            # No collective may outlive the run: a pending one keeps its tensors in gloo's
-            # threads and can abort the process at exit. A failed run drops it unwaited
-            # (a peer may be gone).
-            if self.status == "failed":
-                self.control.drop()
-            else:
-                self.control.drain()
-            failures = cb.on_teardown(self.status)
-            if failures and self.status != "failed":
-                self.status, failure = "failed", failures[0]
-            # A failed rank aborts its process group, so its peers fail at once even if
-            # this process lingers (a user `except` block that keeps running).
-            self.world.teardown(abort=self.status == "failed")
-            record_exit_code(self.exit_code)  # entrypoint exits with it, whatever the script does
+            failure = self._teardown()
         if failure is not None:
             raise failure
+
+    def _lifecycle(self) -> None:
+        """launch, configure, setup, the fit loop and post_fit, with the control points
+        where every rank acts on the agreed requests."""
+        cb = self.callbacks
+        cb.initialize(self)
+        cb.pre_launch()
+        self.world.launch()
+        self._agree_on_run_identity()
+        self._control_point()
+        if self.seed is not None:
+            seed_everything(self.seed)
+        cb.pre_configure()
+        self.configure()
+        self.index_parameters()
+        cb.post_configure()
+        self._control_point()
+        cb.pre_setup()
+        self.setup()
+        cb.post_setup()
+        self._control_point()
+        try:
+            cb.pre_fit()
+            self._fit_loop()
+            self._control_point()  # the last steps' requests: every rank ends alike
+            self.status = "completed"
+        except StopTraining as stop:
+            self._stopped(stop)
+        self.control.drain()
+        cb.post_fit()
+        try:
+            self._control_point()  # a stop asked for in post_fit: "stopped" everywhere
+        except StopTraining as stop:
+            self._stopped(stop)
+
+    def _interrupted(self, interrupt: TrainingInterrupted) -> None:
+        """A signal: handled at a step boundary it is a preemption (the checkpoint callback
+        saves in `on_interrupt`); elsewhere the run failed."""
+        if not interrupt.at_step_boundary:
+            self.status = "failed"
+            self.callbacks.on_interrupt(interrupt)
+            raise interrupt
+        self.status, self.stop_reason = "preempted", interrupt.reason
+        logger.warning("preempted at step %d (%s)", self.global_step, interrupt.reason)
+        failures = self.callbacks.on_interrupt(interrupt)
+        if failures:  # e.g. the preemption save failed: never report a resumable run
+            self.status = "failed"
+            raise failures[0] from interrupt
+
+    def _teardown(self) -> BaseException | None:
+        """On every path: pending collectives, `on_teardown`, the world, the exit code.
+        Returns a critical callback's teardown failure (the run then failed)."""
+        # No collective may outlive the run: a pending one keeps its tensors in gloo's
+        # threads and can abort the process at exit. A failed run drops it unwaited (a
+        # peer may be gone).
+        if self.status == "failed":
+            self.control.drop()
+        else:
+            self.control.drain()
+        failure = None
+        failures = self.callbacks.on_teardown(self.status)
+        if failures and self.status != "failed":
+            self.status, failure = "failed", failures[0]
+        # A failed rank aborts its process group, so its peers fail at once even if this
+        # process lingers (a user `except` block that keeps running).
+        self.world.teardown(abort=self.status == "failed")
+        record_exit_code(self.exit_code)  # entrypoint exits with it, whatever the script does
+        return failure
 
     @property
     def exit_code(self) -> int:
@@ -287,7 +289,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
             cb.post_epoch()
             self.current_epoch += 1
             self.local_batches = 0
-            self._epoch_complete = False
+            self.data_position.epoch_complete = False
             self._control_point()
 
     def _done(self) -> bool:
@@ -298,73 +300,86 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
 
     # ================================================================== training
     def _train_epoch(self) -> dict[str, Any]:
-        training, cb = self.training_parameters, self.callbacks
-        accumulation = training.gradient_accumulation_steps
-        move = self.world.device.type != "cpu"
+        """The training epoch (its rest, on a mid-epoch resume): ``{"batches", "loss"}``."""
         for model in self.named_models().values():
             model.train()
         set_epoch(self.train_dataloader, self.current_epoch)
         loss_sum: torch.Tensor | None = None  # a running sum on the device: no per-step list
         n_losses = 0
         start = batch_idx = self.local_batches - 1  # > -1 when resuming mid-epoch
-        self._fetch_start = self._step_end = time.perf_counter()  # the first wait includes making the iterator
+        path, position = self.step_path, self.data_position
+        path.fetch_start = path.step_end = time.perf_counter()  # the first wait includes making the iterator
         try:
-            for batch, is_last in self._epoch_batches():
+            batches = self._epoch_batches()
+            position.iterating = True
+            for batch, is_last in batches:
                 # Read after the fetch: state restored between two steps (a torchft heal,
                 # at the fetch) moves the counters, and the loop goes on from there.
                 batch_idx = self.local_batches
-                self.local_batches = batch_idx + 1
-                self.is_accumulating_gradients = accumulating = not is_last and (batch_idx + 1) % accumulation != 0
-                self.is_last_batch = is_last or (
-                    not accumulating and training.max_steps is not None and self.global_step + 1 >= training.max_steps
-                )
-                self.metric_log.gate = not accumulating and self._log_step_kind(self.global_step + 1) > 0
-                self._batch_arrived(batch)
-                if move:
-                    batch = to_device(batch, self.world.device)
-                step = self.global_step + 1
-                skipped, result = self._train_batch(batch, batch_idx, accumulating)
-                if not accumulating:
-                    self._end_step()
-                log = self.metric_log.gate and not self.step_skipped
-                own = self._own_step_metrics(result) if log and not skipped else {}
-                if not skipped:
-                    cb.post_train_step(result, batch_idx)
-                    loss = result.get("loss")
-                    if isinstance(loss, torch.Tensor) and loss.ndim == 0:
-                        loss_sum = loss.float() if loss_sum is None else loss_sum + loss.float()
-                        n_losses += 1
-                if not accumulating:
-                    cb.on_step_end(step)
-                if log:
-                    self.metric_log.send_step(own)
-                self.metric_log.gate = None
-                if not accumulating:
-                    validated = self.validation_due
-                    if validated:
-                        self._validate()
-                        self._step_end = time.perf_counter()  # a step's time leaves validation out
-                    self._control_point(blocking=validated)
-                    if training.max_steps is not None and self.global_step >= training.max_steps:
-                        break
-                self._fetch_start = time.perf_counter()
+                loss, done = self._train_on(batch, batch_idx, is_last)
+                if loss is not None:
+                    loss_sum = loss if loss_sum is None else loss_sum + loss
+                    n_losses += 1
+                if done:
+                    break
+                path.fetch_start = time.perf_counter()
             else:
-                self._epoch_complete = True  # not cut short by max_steps: a resume starts the next epoch
+                position.epoch_complete = True  # not cut short by max_steps: a resume starts the next epoch
         finally:  # also when a step raises (StopTraining, a failure): no stale per-step flag
             self.metric_log.gate = None
             self.is_accumulating_gradients = self.is_last_batch = False
-            self._step_open = False
+            path.open = position.iterating = False
         self.metric_log.flush()  # values logged since the last log step: not dropped
         if batch_idx == start == -1:
             raise ValueError(
                 f"the training dataloader yielded no batches in epoch {self.current_epoch} "
                 f"(dp_rank {self.world.dp_rank}): an empty or exhausted iterable?"
             )
-        self.last_epoch_batches = batch_idx + 1
+        position.last_epoch_batches = batch_idx + 1
         result: dict[str, Any] = {"batches": batch_idx + 1}
         if loss_sum is not None:
             result["loss"] = loss_sum / n_losses
         return result
+
+    def _train_on(self, batch: Any, batch_idx: int, is_last: bool) -> tuple[torch.Tensor | None, bool]:
+        """One (micro-)batch: its step and hooks, its log, and at the end of an optimizer
+        step validation and the control point. ``(its scalar loss or None, max_steps reached)``."""
+        training, cb, log_ = self.training_parameters, self.callbacks, self.metric_log
+        self.local_batches = batch_idx + 1
+        accumulating = not is_last and (batch_idx + 1) % training.gradient_accumulation_steps != 0
+        self.is_accumulating_gradients = accumulating
+        self.is_last_batch = is_last or (
+            not accumulating and training.max_steps is not None and self.global_step + 1 >= training.max_steps
+        )
+        log_.gate = not accumulating and self._log_step_kind(self.global_step + 1) > 0
+        self._batch_arrived(batch)
+        if self.world.device.type != "cpu":
+            batch = to_device(batch, self.world.device)
+        step = self.global_step + 1
+        skipped, result = self._train_batch(batch, batch_idx, accumulating)
+        if not accumulating:
+            self._end_step()
+        log = log_.gate and not self.step_skipped
+        own = self._own_step_metrics(result) if log and not skipped else {}
+        loss = None
+        if not skipped:
+            cb.post_train_step(result, batch_idx)
+            value = result.get("loss")
+            if isinstance(value, torch.Tensor) and value.ndim == 0:
+                loss = value.float()
+        if not accumulating:
+            cb.on_step_end(step)
+        if log:
+            log_.send_step(own)
+        log_.gate = None
+        if accumulating:
+            return loss, False
+        validated = self.validation_due
+        if validated:
+            self._validate()
+            self.step_path.step_end = time.perf_counter()  # a step's time leaves validation out
+        self._control_point(blocking=validated)
+        return loss, training.max_steps is not None and self.global_step >= training.max_steps
 
     @property
     def validation_due(self) -> bool:
@@ -430,38 +445,6 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
                 model.train(modes[name])
 
     # ================================================================== plumbing
-    def _metric_schedulers(self) -> dict[str, Any]:
-        return {name: s for name, s in self.named_schedulers().items() if _needs_metric(s)}
-
-    def _check_metric_schedulers(self) -> None:
-        """Schedulers stepped with a metric (``ReduceLROnPlateau``) need
-        `TrainingParameters.scheduler_monitor`: checked at setup, not at the first step."""
-        schedulers = self._metric_schedulers()
-        if schedulers and getattr(self.training_parameters, "scheduler_monitor", None) is None:
-            raise ValueError(
-                f"scheduler(s) {sorted(schedulers)} ({type(next(iter(schedulers.values()))).__name__}) step on a "
-                "metric: set TrainingParameters(scheduler_monitor=...) to a logged metric, e.g. 'val/loss'"
-            )
-
-    def _step_metric_schedulers(self) -> None:
-        """Step metric schedulers with the monitored metric (after each validation run, or
-        at each epoch's end without validation data). Every rank reads the same value:
-        logged metrics are reduced over ranks."""
-        schedulers = self._metric_schedulers()
-        if not schedulers:
-            return
-        monitor = self.training_parameters.scheduler_monitor
-        if monitor not in self.logged_metrics:
-            raise KeyError(
-                f"TrainingParameters.scheduler_monitor={monitor!r} has not been logged by step {self.global_step}; "
-                f"logged metrics: {sorted(self.logged_metrics)}"
-            )
-        others = [s for s in self.named_schedulers().values() if hasattr(s, "base_lrs")]
-        for scheduler in schedulers.values():
-            before = [group["lr"] for group in scheduler.optimizer.param_groups]
-            scheduler.step(self.logged_metrics[monitor])
-            _carry_reduction(scheduler.optimizer, before, others)
-
     def _agree_on_run_identity(self) -> None:
         """Every rank takes rank 0's run name, directory and seed. Run name: the config's,
         else the launcher's (`RunIdentity`), else a timestamp. Run directory and seed: the
@@ -476,20 +459,6 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         self.run_dir = Path(run_dir) / (self.world.run_subdirectory or "")
         if self.world.is_rank_zero:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-
-
-def _carry_reduction(optimizer: Any, before: list[float], schedulers: list[Any]) -> None:
-    """A plateau scheduler just scaled some learning rates of `optimizer`: scale the
-    ``base_lrs`` (and ``initial_lr``) of the step schedulers on it alike, so that their next
-    step (which sets ``lr = base_lr * factor``) keeps the reduction instead of undoing it."""
-    for i, (group, old) in enumerate(zip(optimizer.param_groups, before)):
-        if old and group["lr"] != old:
-            scale = group["lr"] / old
-            if "initial_lr" in group:
-                group["initial_lr"] *= scale
-            for scheduler in schedulers:
-                if scheduler.optimizer is optimizer:
-                    scheduler.base_lrs[i] *= scale
 
 
 def _check_plan(world: DistributedWorld) -> None:

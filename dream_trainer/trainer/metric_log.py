@@ -54,6 +54,7 @@ class MetricLog:
         self._queue: list[dict[str, Any]] | None = None  # set while on_log runs: logs made there
         self._nested = False  # True while the values logged from an on_log are dispatched
         self._val_sums: dict[str, list[Any]] = {}
+        self.display_fields: dict[str, str] = {}  # short status strings monitors publish for displays
 
     def log(self, metrics: dict[str, Any], validating: bool = False) -> None:
         """A checked `log_dict` call: queued for the nested round (from an `on_log`),

@@ -30,6 +30,12 @@ class MetricsMixin(AbstractTrainer):
         return self.metric_log.logged
 
     @property
+    def display_fields(self) -> dict[str, str]:
+        """Short status strings monitors publish for displays (progress bar, dashboard),
+        by name: ``trainer.display_fields["mem"] = "rss: 1.2GB"``."""
+        return self.metric_log.display_fields
+
+    @property
     def is_log_step(self) -> bool:
         """Whether `log_dict` values are sent to `on_log` now. False inside a step that is
         not a log step (the values are then kept for the next one): skip expensive metrics."""

@@ -22,58 +22,44 @@ from typing import Any
 from dream_trainer.protocol.collection import warn_absent_callbacks
 from dream_trainer.serialization import check_storable, dumps, loads
 from dream_trainer.trainer.abstract import AbstractTrainer, reshard
+from dream_trainer.trainer.data_position import DataPosition
+from dream_trainer.trainer.step_path import StepPath
 from dream_trainer.utils import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
 
 
 class StateMixin(AbstractTrainer):
-    """`state_dict` / `load_state_dict` of the whole trainer."""
+    """`state_dict` / `load_state_dict` of the whole trainer: the composition of its parts'
+    states (one composition for checkpoints and for torchft heals alike)."""
 
     resumed: bool
-    _epoch_complete: bool
     _last_val_step: int | None
-    _resume_rng: dict[str, Any] | None
+    step_path: StepPath
+    data_position: DataPosition
+    _mid_epoch: bool
 
     @property
     def rank_key(self) -> str:
         """This rank's key under ``state_dict()["ranks"]``."""
         return f"rank{self.world.rank}"
 
-    def state_dict(self, native_optimizers: bool = False) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue this run exactly (DCP-ready: sharded models and
-        optimizers give DTensor shards).
-
-        `native_optimizers`: each optimizer's own ``optimizer.state_dict()`` instead of the
-        DCP form (keyed by parameter names, reshardable). Only for a peer with the same
-        parameters and layout (a torchft heal): it loads without the DCP helpers' extra
-        optimizer step that allocates a fresh state first."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        optimizers give DTensor shards, optimizer state keyed by parameter name). See the
+        module docstring for the parts."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         reshard(self.named_models().values())  # optimizer state by parameter name needs the sharded parameters
-        optimizers = {}
-        for name, opt in self.named_optimizers().items():
-            model = self.model_for(opt)
-            native = native_optimizers or model is None
-            optimizers[name] = opt.state_dict() if native else get_optimizer_state_dict(model, opt)
         callbacks = self.callbacks.state_dict()
-        own = {name: state for name, state in callbacks.items() if not _holds_dtensor(state)}
         schedulers = {name: s.state_dict() for name, s in self.named_schedulers().items()}
+        optimizers = self._optimizer_states()
         # What a restricted load would refuse fails here, at the save (see dream_trainer.serialization).
         check_storable(callbacks, "callback state")
         check_storable(schedulers, "scheduler state")
         check_storable(optimizers, "optimizer state")
         return {
-            "trainer": {
-                "global_step": self.global_step,
-                "current_epoch": self.current_epoch,
-                "local_batches": self.local_batches,
-                "epoch_complete": self._epoch_complete,
-                "last_val_step": -1 if self._last_val_step is None else self._last_val_step,
-                "callbacks": dumps(sorted(callbacks), "saved callback names"),  # whose state is saved (see load)
-                "skipped_steps": self.skipped_steps,  # type: ignore[attr-defined]  (StepMixin)
-                "skipped_batches": self.skipped_batches,  # type: ignore[attr-defined]
-            },
+            "trainer": {**self._counters(), "callbacks": dumps(sorted(callbacks), "saved callback names")},
             "models": _plain({name: get_model_state_dict(m) for name, m in self.named_models().items()}),
             "optimizers": _plain(optimizers),
             "schedulers": schedulers,
@@ -81,24 +67,68 @@ class StateMixin(AbstractTrainer):
             # Opaque per-rank entries (bytes in a restricted format, see
             # dream_trainer.serialization): their structure may differ between the saving
             # run and the template of the resuming one.
-            "ranks": {
-                self.rank_key: {
-                    "rng": rng_state(),
-                    "data": dumps(self._data_position(), "data position"),  # type: ignore[attr-defined]  (DataMixin)
-                    "callbacks": dumps(own, "callback state"),
-                }
-            },
+            "ranks": {self.rank_key: self._rank_state(callbacks)},
         }
 
-    def load_state_dict(self, state: dict[str, Any], strict: bool = True, live: bool = False) -> None:
+    def _counters(self) -> dict[str, Any]:
+        return {
+            "global_step": self.global_step,
+            "current_epoch": self.current_epoch,
+            "local_batches": self.local_batches,
+            "epoch_complete": self.data_position.epoch_complete,
+            "last_val_step": -1 if self._last_val_step is None else self._last_val_step,
+            **self.step_path.state_dict(),  # skipped steps and batches
+        }
+
+    def _optimizer_states(self) -> dict[str, Any]:
+        """Each optimizer's state in DCP's form (keyed by parameter name, reshardable); an
+        optimizer no model owns in its own form."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        states = {}
+        for name, opt in self.named_optimizers().items():
+            model = self.model_for(opt)
+            states[name] = opt.state_dict() if model is None else get_optimizer_state_dict(model, opt)
+        return states
+
+    def _rank_state(self, callbacks: dict[str, Any]) -> dict[str, Any]:
+        own = {name: state for name, state in callbacks.items() if not _holds_dtensor(state)}
+        position = self.data_position.state_dict(self.train_dataloader, self._mid_epoch)
+        return {"rng": rng_state(), "data": dumps(position, "data position"), "callbacks": dumps(own, "callback state")}
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Restore what `state_dict` returned. A missing ``ranks`` entry for this rank (a
         checkpoint written by fewer ranks) keeps the seeded RNG, replays the data position
         by skipping batches and restores the callbacks from the shared copy, with a warning.
 
-        `live`: the loop is running and this is a point between two steps (a torchft heal,
-        before a step's data is fetched): the RNG is set at once, and the data position is
-        restored only where the loader (or its batch sampler) restores its own; the loop goes
-        on from the restored counters."""
+        Called while an epoch runs (a torchft heal, between two steps, before a step's data
+        is fetched), the RNG is set at once and the data position is restored only where the
+        loader (or its batch sampler) restores its own; the loop goes on from the restored
+        counters."""
+        self._load_modules(state, strict)
+        counters = state["trainer"]
+        self._load_counters(counters)
+        mine = state.get("ranks", {}).get(self.rank_key)
+        callbacks = dict(state.get("callbacks", {}))
+        if mine is not None:
+            callbacks.update(loads(mine["callbacks"], f"the callback state of {self.rank_key}"))
+        # Warned here, once: the shared copy of a callback absent from this run is not in the
+        # resuming template, so DCP never loads it.
+        saved = loads(counters["callbacks"], "the list of saved callbacks") if "callbacks" in counters else list(callbacks)
+        absent = [name for name in saved if name not in self.callbacks]
+        if absent:
+            warn_absent_callbacks(absent, self.callbacks.names())
+        self.callbacks.load_state_dict({name: value for name, value in callbacks.items() if name in self.callbacks})
+        if mine is None:
+            logger.warning(
+                "the checkpoint has no RNG state, data position or own callback state for %s (written by fewer "
+                "ranks?): continuing from the seeded RNG, skipping %d batches of epoch %d, callbacks restored "
+                "from the shared copy", self.rank_key, self.local_batches, self.current_epoch,
+            )
+            return
+        self._load_rank_state(mine)
+
+    def _load_modules(self, state: dict[str, Any], strict: bool) -> None:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -118,55 +148,29 @@ class StateMixin(AbstractTrainer):
         for name, scheduler in self.named_schedulers().items():
             scheduler.load_state_dict(state["schedulers"][name])
 
-        counters = state["trainer"]
+    def _load_counters(self, counters: dict[str, Any]) -> None:
         self.global_step = int(counters["global_step"])
         self.current_epoch = int(counters["current_epoch"])
         self.local_batches = int(counters["local_batches"])
         last_val = int(counters.get("last_val_step", -1))
         self._last_val_step = None if last_val < 0 else last_val
-        self.skipped_steps = int(counters.get("skipped_steps", 0))
-        self.skipped_batches = int(counters.get("skipped_batches", 0))
+        self.step_path.load_state_dict(counters)
         if counters.get("epoch_complete", False):  # saved after the epoch's last hooks ran
             self.current_epoch += 1
             self.local_batches = 0
         self.resumed = self.global_step > 0 or self.current_epoch > 0
 
-        mine = state.get("ranks", {}).get(self.rank_key)
-        callbacks = dict(state.get("callbacks", {}))
-        if mine is not None:
-            callbacks.update(loads(mine["callbacks"], f"the callback state of {self.rank_key}"))
-        # Warned here, once: the shared copy of a callback absent from this run is not in the
-        # resuming template, so DCP never loads it.
-        saved = loads(counters["callbacks"], "the list of saved callbacks") if "callbacks" in counters else list(callbacks)
-        absent = [name for name in saved if name not in self.callbacks]
-        if absent:
-            warn_absent_callbacks(absent, self.callbacks.names())
-        callbacks = {name: value for name, value in callbacks.items() if name in self.callbacks}
-        if mine is None:
-            self.callbacks.load_state_dict(callbacks)
-            logger.warning(
-                "the checkpoint has no RNG state, data position or own callback state for %s (written by fewer "
-                "ranks?): continuing from the seeded RNG, skipping %d batches of epoch %d, callbacks restored "
-                "from the shared copy",
-                self.rank_key,
-                self.local_batches,
-                self.current_epoch,
-            )
-            return
-        self.callbacks.load_state_dict(callbacks)
+    def _load_rank_state(self, mine: dict[str, Any]) -> None:
         position = loads(mine["data"], f"the data position of {self.rank_key}")
-        if live:
-            if position.get("loader") is not None:
-                self._restore_data_position(position)  # type: ignore[attr-defined]
+        mid_epoch = self.local_batches > 0  # the counters just restored
+        if self.data_position.iterating:  # between two steps of a running epoch: the RNG now
+            if position.get("loader") is not None:  # only a loader that restores itself moves
+                self.data_position.load_state_dict(position, self.train_dataloader, mid_epoch)
             set_rng_state(mine["rng"])
             return
-        self._restore_data_position(position)  # type: ignore[attr-defined]
-        if self.local_batches:
-            # Mid-epoch: the epoch's iterator is created again on resume (which may draw from
-            # the RNG), so the RNG is restored after that, where the saved run stood.
-            self._resume_rng = mine["rng"]
-        else:
-            set_rng_state(mine["rng"])
+        # Mid-epoch, the epoch's iterator is made again (which may draw from the RNG): the
+        # data position sets the saved RNG after that, where the saved run stood.
+        self.data_position.load_state_dict(position, self.train_dataloader, mid_epoch, rng=mine["rng"])
 
 
 def _plain(state: Any) -> Any:

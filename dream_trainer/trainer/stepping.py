@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 
 from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.trainer.metric_log import MetricLog
+from dream_trainer.trainer.step_path import OptimizerRoute, StepPath
 from dream_trainer.trainer.telemetry import StepStats, count_batch
 from dream_trainer.utils import rng_state, set_rng_state
 
@@ -46,38 +47,37 @@ class StepMixin(AbstractTrainer):
     vetoes_steps: ClassVar[bool] = False
     """Set True on a trainer class whose own code (``training_step``) calls `skip_step`."""
 
-    step_stats: StepStats
+    step_path: StepPath
     metric_log: MetricLog
     is_accumulating_gradients: bool
-    _optimizer_params: dict[int, list[nn.Parameter]]
-    _optimizer_models: dict[int, nn.Module | None]
-    _optimizer_schedulers: dict[int, list[Any]]
-    _optimizer_names: dict[int, str]
-    _skip_reason: str | None
-    _skip_flag: tuple[torch.Tensor, str] | None
-    _skip_batch_reason: str | None
-    _grad_norm_wanted: bool
-    _track_backward_loss: bool
-    _step_agreed: bool
-    _stepped: bool
-    _step_open: bool
-    _step_end: float
-    _fetch_start: float
-    _timeout_relaxed: bool
-    skipped_steps: int
-    skipped_batches: int
+
+    @property
+    def step_stats(self) -> StepStats:
+        """What the step that just ended (or is running) measured: see `StepStats`."""
+        return self.step_path.stats
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped since the run started (vetoes, skipped batches)."""
+        return self.step_path.skipped_steps
+
+    @property
+    def skipped_batches(self) -> int:
+        """Batches skipped since the run started (`SkipBatch`, `request_skip_batch`)."""
+        return self.step_path.skipped_batches
 
     # ------------------------------------------------------------------ user API
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, scaled by 1/gradient_accumulation_steps when accumulating.
         With a callback that ``recovers_errors``, the ranks first agree that no rank's
         ``training_step`` failed before its backward (see `on_train_step_error`)."""
-        if self.callbacks.recovers_errors and not self._step_agreed:
-            self._step_agreed = True
+        path = self.step_path
+        if self.callbacks.recovers_errors and not path.agreed:
+            path.agreed = True
             if self._any_rank(False):  # another rank's step failed: this one's work is dropped
                 raise _PeerStepFailed()
-        if self._track_backward_loss:  # a monitor decides on this step's loss before its update
-            self.step_stats.add_backward(loss)
+        if path.backward_loss_wanted:  # a monitor decides on this step's loss before its update
+            path.stats.add_backward(loss)
         accumulation = self.training_parameters.gradient_accumulation_steps  # type: ignore[attr-defined]
         if accumulation > 1:
             loss = loss / accumulation
@@ -94,27 +94,27 @@ class StepMixin(AbstractTrainer):
         try:
             return self._step(optimizer, model)
         finally:
-            self.step_stats.optimizer_s += time.perf_counter() - started
+            self.step_path.stats.optimizer_s += time.perf_counter() - started
+
+    def _route(self, optimizer: Optimizer) -> OptimizerRoute:
+        """`optimizer`'s route (its parameters, model, name and schedulers), made once."""
+        schedulers = [s for s in self.named_schedulers().values() if s.optimizer is optimizer and not _needs_metric(s)]
+        return OptimizerRoute(name=self._optimizer_name(optimizer), model=self.model_for(optimizer), schedulers=schedulers,
+                              params=[p for g in optimizer.param_groups for p in g["params"]])
 
     def _step(self, optimizer: Optimizer, model: nn.Module | None) -> torch.Tensor | None:
-        key = id(optimizer)
-        if key not in self._optimizer_params:
-            self._optimizer_params[key] = [p for g in optimizer.param_groups for p in g["params"]]
-            self._optimizer_models[key] = self.model_for(optimizer)
-            self._optimizer_names[key] = self._optimizer_name(optimizer)
-            self._optimizer_schedulers[key] = [
-                s for s in self.named_schedulers().values() if s.optimizer is optimizer and not _needs_metric(s)
-            ]
-        model = model if model is not None else self._optimizer_models[key]
-        name, stats, world = self._optimizer_names[key], self.step_stats, self.world
-        world.sync_gradients(self._optimizer_params[key])  # a no-op but across replica groups (torchft)
+        path = self.step_path
+        route = path.route(optimizer, self._route)
+        model = model if model is not None else route.model
+        name, stats, world, params = route.name, path.stats, self.world, route.params
+        world.sync_gradients(params)  # a no-op but across replica groups (torchft)
         clip = self.training_parameters.gradient_clip_val  # type: ignore[attr-defined]
         norm = None
         if clip is not None:
-            norm = world.clip_grad_norm_(self._optimizer_params[key], clip)
+            norm = world.clip_grad_norm_(params, clip)
             stats.clipped[name] = norm > clip  # a device bool: no sync
-        elif self._grad_norm_wanted or (self.metric_log.gate and self.logging_parameters.log_grad_norm):  # type: ignore[attr-defined]
-            norm = world.total_gradient_norm(self._optimizer_params[key])
+        elif path.grad_norm_wanted or (self.metric_log.gate and self.logging_parameters.log_grad_norm):  # type: ignore[attr-defined]
+            norm = world.total_gradient_norm(params)
         if norm is not None:
             stats.grad_norm[name] = norm
         cb = self.callbacks
@@ -136,10 +136,10 @@ class StepMixin(AbstractTrainer):
             self._drop_gradients(model, optimizer)
             return norm
         optimizer.step()
-        self._stepped = True
+        path.stepped = True
         cb.post_optimizer_step(model, optimizer)  # type: ignore[arg-type]
         self._drop_gradients(model, optimizer)
-        for scheduler in self._optimizer_schedulers[key]:
+        for scheduler in route.schedulers:
             scheduler.step()
         return norm
 
@@ -148,36 +148,29 @@ class StepMixin(AbstractTrainer):
         `pre_optimizer_step`, before ``self.step(optimizer)``). Needs ``vetoes_steps = True``
         on the trainer class or on a callback."""
         self._check_armed("skip_step")
-        if self._skip_reason is None:
-            self._skip_reason = str(reason)
+        self.step_path.veto(reason)
 
     def skip_step_if(self, flag: torch.Tensor, reason: str = "skipped") -> None:
         """`skip_step` decided on the device: skip when `flag` (a one-element bool/number
         tensor) is true — nonzero, NaN included, as ``bool(flag)``. Several calls are OR-ed;
         the flag is read to the host once, at the step."""
         self._check_armed("skip_step_if")
-        if flag.ndim or flag.requires_grad:  # else: kept as it is (no device op)
-            flag = flag.detach().reshape(())
-        if self._skip_flag is None:
-            self._skip_flag = (flag, reason)
-        else:
-            self._skip_flag = (self._skip_flag[0].bool() | flag.bool(), self._skip_flag[1])
+        self.step_path.veto_if(flag, reason)
 
     def request_skip_batch(self, reason: str = "batch skipped") -> None:
         """Skip the current batch on every rank (what `SkipBatch` raised from
         `pre_train_step` does)."""
-        if self._skip_batch_reason is None:
-            self._skip_batch_reason = str(reason)
+        self.step_path.request_batch_skip(reason)
 
     def request_backward_loss(self, enabled: bool = True) -> None:
         """Record the losses passed to `backward` (``step_stats.backward_loss``) from now
         on: a device op per backward, only for those who ask (False: stop)."""
-        self._track_backward_loss = enabled
+        self.step_path.backward_loss_wanted = enabled
 
     def request_grad_norm(self, enabled: bool = True) -> None:
         """Compute the pre-clip gradient norm on every step from now on
         (``step_stats.grad_norm``), once per step for every reader (False: stop)."""
-        self._grad_norm_wanted = enabled
+        self.step_path.grad_norm_wanted = enabled
 
     def count_batch(self, batch: Any) -> tuple[int, int | None]:
         """``(samples, tokens)`` in a (micro-)batch, for ``step_stats`` and throughput.
@@ -206,19 +199,17 @@ class StepMixin(AbstractTrainer):
     def step_skipped(self) -> bool:
         """Whether the optimizer step that just ended was skipped (a veto or a skipped
         batch): ``global_step`` did not advance."""
-        return self.step_stats.skipped is not None and not self._stepped
+        return self.step_path.skipped
 
     # ------------------------------------------------------------------ the loop's side
     def _batch_arrived(self, batch: Any) -> None:
         """Telemetry of a new micro-batch (before it moves to the device): the data wait
         since the previous batch was done, and its samples/tokens."""
-        stats, now = self.step_stats, time.perf_counter()
-        if not self._step_open:
-            stats.begin()
-            self._step_open, self._stepped = True, False
+        path, now = self.step_path, time.perf_counter()
+        if path.begin():
             self.callbacks.on_step_begin(self.global_step + 1)
-        stats.data_wait_s += now - self._fetch_start
-        stats.count(*self.count_batch(batch))
+        path.stats.data_wait_s += now - path.fetch_start
+        path.stats.count(*self.count_batch(batch))
 
     def _train_batch(self, batch: Any, batch_idx: int, accumulating: bool) -> tuple[bool, dict[str, Any]]:
         """`pre_train_step` (which may replace the batch), the agreed batch skip and
@@ -238,29 +229,29 @@ class StepMixin(AbstractTrainer):
             except _Retry:
                 continue
             finally:
-                self.step_stats.compute_s += time.perf_counter() - started
-            self.step_stats.add_loss(result.get("loss"))
+                self.step_path.stats.compute_s += time.perf_counter() - started
+            self.step_path.stats.add_loss(result.get("loss"))
             return False, result
         raise AssertionError("unreachable: the last attempt raises")  # pragma: no cover
 
     def _recoverable_step(self, batch: Any, batch_idx: int, accumulating: bool, attempt: int) -> dict[str, Any]:
         """``training_step`` in its contexts; with ``recovers_errors``, a failure before the
         step's agreement (in `backward`) is agreed on and offered to the callbacks."""
-        self._step_agreed = False
+        self.step_path.agreed = False
         error: Exception | None = None
         try:
             result = self._run_step(self.training_step, batch, batch_idx, "train_context", accumulating)  # type: ignore[attr-defined]
         except Exception as exc:
-            if not self.callbacks.recovers_errors or (self._step_agreed and not isinstance(exc, _PeerStepFailed)):
+            if not self.callbacks.recovers_errors or (self.step_path.agreed and not isinstance(exc, _PeerStepFailed)):
                 raise  # not armed, or it failed after agreeing (its peers went on)
             error = None if isinstance(exc, _PeerStepFailed) else exc
             if error is not None:
-                self._step_agreed = True
+                self.step_path.agreed = True
                 self._any_rank(True)  # the peers' agreement in backward
         else:
-            if not self.callbacks.recovers_errors or self._step_agreed or not self._any_rank(False):
+            if not self.callbacks.recovers_errors or self.step_path.agreed or not self._any_rank(False):
                 return result
-        self._step_agreed = True
+        self.step_path.agreed = True
         retry = self.callbacks.on_train_step_error(error, batch, batch_idx)  # type: ignore[arg-type]
         if self._any_rank(not retry) or attempt == _MAX_RETRIES:
             if error is not None:
@@ -293,10 +284,10 @@ class StepMixin(AbstractTrainer):
         reason = self._agreed_batch_skip()
         if reason is None:
             return False
-        self.skipped_batches += 1
+        self.step_path.skipped_batches += 1
         logger.info("batch %d of epoch %d skipped: %s", self.local_batches - 1, self.current_epoch, reason)
         if ends_step:
-            self.step_stats.skipped = reason
+            self.step_path.stats.skipped = reason
             for optimizer in self.named_optimizers().values():
                 self._drop_gradients(self.model_for(optimizer), optimizer)
         return True
@@ -304,24 +295,21 @@ class StepMixin(AbstractTrainer):
     def _end_step(self) -> None:
         """The end of an optimizer step (the last micro-batch of a group): advance
         ``global_step`` unless the step was skipped, record its time."""
-        if self._skip_reason is not None or self._skip_flag is not None:
-            self._skip_reason = self._skip_flag = None
+        path = self.step_path
+        if path.veto_pending:
+            path.clear_vetoes()
             raise RuntimeError(
                 "skip_step() was called but no trainer.step(optimizer) followed in this step: call it in "
                 "training_step or pre_optimizer_step, before self.step(optimizer)"
             )
-        stats = self.step_stats
-        if self.step_skipped:
-            self.skipped_steps += 1
-            logger.info("optimizer step %d skipped: %s", self.global_step + 1, stats.skipped)
+        if path.skipped:
+            logger.info("optimizer step %d skipped: %s", self.global_step + 1, path.stats.skipped)
         else:
             self.global_step += 1
-            if not self._timeout_relaxed:  # the first step of this fit(), also after a resume
-                self._timeout_relaxed = True
+            if not path.timeout_relaxed:  # the first step of this fit(), also after a resume
+                path.timeout_relaxed = True
                 self.world.relax_timeout()
-        now = time.perf_counter()
-        stats.step, stats.step_time_s, self._step_end = self.global_step, now - self._step_end, now
-        self._step_open = False
+        path.end(self.global_step, time.perf_counter())
 
     # ------------------------------------------------------------------ plumbing
     def _check_armed(self, what: str) -> None:
@@ -333,17 +321,13 @@ class StepMixin(AbstractTrainer):
 
     def _agreed_skip(self) -> str | None:
         """The skip decision of every rank for this optimizer step (None: step)."""
-        reason, flag = self._skip_reason, self._skip_flag
-        self._skip_reason = self._skip_flag = None
         if not (self.vetoes_steps or self.callbacks.vetoes_steps):
+            self.step_path.clear_vetoes()
             return None
-        if flag is not None and reason is None and bool(flag[0]):  # the device decision, read once
-            reason = flag[1]
-        return self._agree(reason)
+        return self._agree(self.step_path.take_veto())  # a device decision is read there, once
 
     def _agreed_batch_skip(self) -> str | None:
-        reason, self._skip_batch_reason = self._skip_batch_reason, None
-        return self._agree(reason)
+        return self._agree(self.step_path.take_batch_skip())
 
     def _any_rank(self, value: bool) -> bool:
         """Whether `value` is True on any rank: one MAX all-reduce of an int on the CPU."""
@@ -371,11 +355,57 @@ class StepMixin(AbstractTrainer):
         optimizer.zero_grad(set_to_none=True)
         cb.post_optimizer_zero_grad(model, optimizer)  # type: ignore[arg-type]
 
+    def _metric_schedulers(self) -> dict[str, Any]:
+        return {name: s for name, s in self.named_schedulers().items() if _needs_metric(s)}
+
+    def _check_metric_schedulers(self) -> None:
+        """Schedulers stepped with a metric (``ReduceLROnPlateau``) need
+        `TrainingParameters.scheduler_monitor`: checked at setup, not at the first step."""
+        schedulers = self._metric_schedulers()
+        if schedulers and getattr(self.training_parameters, "scheduler_monitor", None) is None:
+            raise ValueError(
+                f"scheduler(s) {sorted(schedulers)} ({type(next(iter(schedulers.values()))).__name__}) step on a "
+                "metric: set TrainingParameters(scheduler_monitor=...) to a logged metric, e.g. 'val/loss'"
+            )
+
+    def _step_metric_schedulers(self) -> None:
+        """Step metric schedulers with the monitored metric (after each validation run, or
+        at each epoch's end without validation data). Every rank reads the same value:
+        logged metrics are reduced over ranks."""
+        schedulers = self._metric_schedulers()
+        if not schedulers:
+            return
+        monitor = self.training_parameters.scheduler_monitor
+        if monitor not in self.logged_metrics:
+            raise KeyError(
+                f"TrainingParameters.scheduler_monitor={monitor!r} has not been logged by step {self.global_step}; "
+                f"logged metrics: {sorted(self.logged_metrics)}"
+            )
+        others = [s for s in self.named_schedulers().values() if hasattr(s, "base_lrs")]
+        for scheduler in schedulers.values():
+            before = [group["lr"] for group in scheduler.optimizer.param_groups]
+            scheduler.step(self.logged_metrics[monitor])
+            _carry_reduction(scheduler.optimizer, before, others)
+
     def _optimizer_name(self, optimizer: Optimizer) -> str:
         for name, opt in self.named_optimizers().items():
             if opt is optimizer:
                 return name
         return f"optimizer_{id(optimizer):x}"
+
+
+def _carry_reduction(optimizer: Any, before: list[float], schedulers: list[Any]) -> None:
+    """A plateau scheduler just scaled some learning rates of `optimizer`: scale the
+    ``base_lrs`` (and ``initial_lr``) of the step schedulers on it alike, so that their next
+    step (which sets ``lr = base_lr * factor``) keeps the reduction instead of undoing it."""
+    for i, (group, old) in enumerate(zip(optimizer.param_groups, before)):
+        if old and group["lr"] != old:
+            scale = group["lr"] / old
+            if "initial_lr" in group:
+                group["initial_lr"] *= scale
+            for scheduler in schedulers:
+                if scheduler.optimizer is optimizer:
+                    scheduler.base_lrs[i] *= scale
 
 
 def _needs_metric(scheduler: Any) -> bool:

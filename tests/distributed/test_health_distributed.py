@@ -85,5 +85,5 @@ def test_a_nan_on_one_rank_is_skipped_on_both(tmp_path, where):
     assert zero["skipped"] == one["skipped"] == (1, 1) and zero["events"] == one["events"] == [(5, 4)]
     assert zero["unchanged"] and one["unchanged"] and zero["step"] == one["step"] == 23
     assert all(torch.equal(a, b) and torch.isfinite(a).all() for a, b in zip(zero["final"], one["final"]))
-    flag = [("bool", "_agreed_skip")]  # one read per optimizer step; step 5 ran twice (skipped, then taken)
+    flag = [("bool", "take_veto")]  # one read per optimizer step; step 5 ran twice (skipped, then taken)
     assert zero["reads"] == one["reads"] == {s: flag * (2 if s == 5 else 1) for s in range(1, 24)}, zero["reads"]

@@ -479,22 +479,22 @@ class AdamToy(ToyTrainer):
 
 
 class Capture(Callback):
-    """Saves the trainer's state (native optimizer form) at the end of step `at`; or loads
-    `state` in pre_fit (what a heal does between steps, here before the first)."""
+    """Saves the trainer's state (what a heal sends: the checkpoints' composition) at the
+    end of step `at`; or loads `state` in pre_fit (into a fresh optimizer, as a heal may)."""
 
     def __init__(self, at=None, state=None):
         self.at, self.state = at, state
 
     def pre_fit(self):
         if self.state is not None:
-            self.trainer.load_state_dict(self.state, live=True)
+            self.trainer.load_state_dict(self.state)
 
     def post_train_step(self, result, batch_idx):
         if self.trainer.global_step == self.at and not self.trainer.is_accumulating_gradients:
-            self.state = copy.deepcopy(self.trainer.state_dict(native_optimizers=True))  # it holds live tensors
+            self.state = copy.deepcopy(self.trainer.state_dict())  # it holds live tensors
 
 
-def test_native_optimizer_state_continues_exactly(tmp_path):
+def test_the_heal_state_is_the_checkpoint_composition_and_continues_exactly(tmp_path):
     def config(*callbacks, steps=10):
         return TrainerConfig(run_name="n", root_dir=str(tmp_path), device_parameters=DeviceParameters.SINGLE_DEVICE(),
                              training_parameters=TrainingParameters(n_epochs=None, max_steps=steps,
@@ -503,8 +503,8 @@ def test_native_optimizer_state_continues_exactly(tmp_path):
     capture = Capture(at=6)
     straight = AdamToy(config(capture))
     straight.fit()
-    assert isinstance(next(iter(capture.state["optimizers"]["optimizer"]["state"])), int)  # by index, not by name
+    assert set(capture.state["optimizers"]["optimizer"]["state"]) == {n for n, _ in straight.model.named_parameters()}
     healed = AdamToy(config(Capture(state=capture.state)))  # a fresh optimizer: no state at all
     healed.fit()
-    assert healed.global_step == 10 and healed.optimizer.state_dict()["state"][0]["step"] == 10  # no extra init step
+    assert healed.global_step == 10 and healed.optimizer.state_dict()["state"][0]["step"] == 10  # DCP's init step: overwritten
     assert all(torch.equal(a, b) for a, b in zip(straight.model.parameters(), healed.model.parameters()))

@@ -227,7 +227,7 @@ def test_default_health_callbacks_read_what_the_docs_say():
     added, steps = _reads(health_callbacks(dashboard={"enabled": True, "console": _console()}),
                           n_samples=288, batch_size=2, gradient_clip_val=1.0)
     assert steps == 108
-    skip_read = Counter({("bool", "_agreed_skip"): 1})
+    skip_read = Counter({("bool", "take_veto"): 1})
     assert all(added[step] == skip_read for step in range(1, steps + 1) if step != 100), added
     assert added[100] == skip_read + Counter({("tolist", "read"): 2}), added[100]
 
@@ -235,7 +235,7 @@ def test_default_health_callbacks_read_what_the_docs_say():
 @pytest.mark.parametrize("policy, per_step, on_log_step", [
     ("warn", {}, {("float", "post_train_step"): 1}),
     ("halt", {("bool", "pre_optimizer_step"): 1}, {}),
-    ("skip", {("bool", "_agreed_skip"): 1}, {}),
+    ("skip", {("bool", "take_veto"): 1}, {}),
 ])
 def test_sync_budget_per_policy(policy, per_step, on_log_step):
     monitors = [AnomalyDetectorCallback(policy, log_interval=4)]

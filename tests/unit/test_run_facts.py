@@ -19,7 +19,7 @@ from dream_trainer import BaseTrainer, Callback, DistributedWorld, LoggingParame
 from dream_trainer.callbacks import PerformanceReport
 from dream_trainer.callbacks.monitors import MemoryMonitorCallback, ThroughputMonitorCallback
 from dream_trainer.testing import ToyTrainer
-from dream_trainer.trainer.abstract import dense_flops_per_token
+from dream_trainer.trainer.model_facts import dense_flops_per_token
 from dream_trainer.world.memory import MB, MemoryStatus
 
 TOY_FLOPS = 6.0 * (8 * 16 + 16 + 16 * 1 + 1)  # ToyTrainer's MLP: 8 -> 16 -> 1

@@ -1,0 +1,171 @@
+"""`DataPosition`: where a rank stands in its training data, the component the trainer owns
+as ``trainer.data_position``.
+
+The data position of a rank (saved under ``ranks.rank<N>.data``):
+
+- a stateful loader (torchdata's ``StatefulDataLoader``, anything with ``state_dict``),
+  or a loader whose batch sampler is stateful (`FaultTolerantSampler`), saves and restores
+  its own position;
+- any other loader is re-created and fast-forwarded past the batches already consumed.
+  Its order comes from the RNG states when its iterator is created — a shuffling
+  sampler's ``generator`` (``DataLoader(shuffle=True, generator=g)``) or, without one, the
+  global RNGs — so those states are recorded at the start of every epoch and restored
+  before the iterator is re-created: a resume mid-epoch, or in any later epoch, sees the
+  same order as an uninterrupted run. The generators' current states are saved too.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from dream_trainer.utils import rng_state, set_rng_state
+
+logger = logging.getLogger(__name__)
+
+
+def state_owner(loader: Any) -> Any:
+    """What saves a dataloader's position itself: the loader (torchdata's
+    ``StatefulDataLoader``), else its batch sampler (e.g. `FaultTolerantSampler`), else
+    None (the trainer re-creates and fast-forwards it)."""
+    for obj in (loader, getattr(loader, "batch_sampler", None)):
+        if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+            return obj
+    return None
+
+
+def is_stateful(loader: Any) -> bool:
+    """Whether a dataloader (or its batch sampler) saves its own position."""
+    return state_owner(loader) is not None
+
+
+def loader_generators(loader: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects a loader draws its order from: its own, its
+    sampler's and its batch sampler's sampler's (each once)."""
+    found: dict[int, torch.Generator] = {}
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for obj in (loader, sampler, batch_sampler, getattr(batch_sampler, "sampler", None)):
+        generator = getattr(obj, "generator", None)
+        if isinstance(generator, torch.Generator):
+            found.setdefault(id(generator), generator)
+    return list(found.values())
+
+
+class DataPosition:
+    """Where this rank stands in its training data, and what a resume must apply: owned by
+    the trainer as ``trainer.data_position``. Needs no trainer: the loader is passed in.
+
+    Attributes:
+        train_steps_per_epoch: the training epoch length every rank agreed on in `setup`
+            (None: until the loader is exhausted).
+        val_steps_per_epoch: the same for validation.
+        train_loader_batches: the smallest ``len(train loader)`` over ranks (None: unknown).
+        length_agreed: `setup` agreed on the training epoch length.
+        last_epoch_batches: batches the last finished training epoch had.
+        epoch_complete: the current epoch ran to its end (a resume starts the next one).
+        iterating: an epoch's batches are being iterated: a restore now happens between two
+            steps of the running loop (a torchft heal).
+    """
+
+    def __init__(self) -> None:
+        self.train_steps_per_epoch: int | None = None
+        self.val_steps_per_epoch: int | None = None
+        self.train_loader_batches: int | None = None
+        self.length_agreed = False
+        self.last_epoch_batches: int | None = None
+        self.epoch_complete = False
+        self._epoch_start: dict[str, Any] | None = None  # RNG and loader generators when the epoch's iterator was made
+        self._resume_epoch_start: dict[str, Any] | None = None  # a resume's, applied at the next iterator
+        self._resume_rng: dict[str, Any] | None = None  # the RNG of the saved step, set after the fast-forward
+        self._snapshot: Any = None  # a stateful loader's position before its one-batch lookahead
+        self.loader_restored = False  # a stateful loader restored its own position (no fast-forward)
+        self.iterating = False  # an epoch's batches are being iterated (a restore now is between two steps)
+
+    def planned_epoch_batches(self, hint: int | None) -> int | None:
+        """Batches per training epoch for a plan: the agreed length, else the loader's,
+        else (once the length was agreed and is unknown) `hint`."""
+        known = [n for n in (self.train_steps_per_epoch, self.train_loader_batches) if n is not None]
+        if known:
+            return min(known)
+        return hint if self.length_agreed else None
+
+    def open_epoch(self, loader: Any) -> None:
+        """Before the epoch's iterator is made: a resume's saved epoch start is applied
+        (RNG and generators), then this epoch's start is recorded (loaders that do not save
+        their own position are re-created from it on a resume)."""
+        if is_stateful(loader):
+            return
+        if self._resume_epoch_start is not None:
+            _set_epoch_start(loader, self._resume_epoch_start)
+            self._resume_epoch_start = None
+        self._epoch_start = {"rng": rng_state(), "generators": [g.get_state() for g in loader_generators(loader)]}
+
+    def take_restored(self) -> bool:
+        """After the epoch's iterator is made: whether the loader restored its own position
+        (then nothing is fast-forwarded); cleared, with the lookahead snapshot."""
+        restored, self.loader_restored, self._snapshot = self.loader_restored, False, None
+        return restored
+
+    def apply_resume_rng(self) -> None:
+        """After a mid-epoch resume fast-forwarded the epoch's iterator: the RNG of the saved
+        step is set (once)."""
+        if self._resume_rng is not None:
+            set_rng_state(self._resume_rng)
+            self._resume_rng = None
+
+    def snapshot(self, loader: Any) -> None:
+        """Keep a stateful loader's position before it looks one batch ahead."""
+        self._snapshot = state_owner(loader).state_dict()
+
+    def state_dict(self, loader: Any, mid_epoch: bool) -> dict[str, Any]:
+        """This rank's position in `loader` (see the module docstring); `mid_epoch`: batches
+        of an unfinished epoch were consumed."""
+        owner = state_owner(loader)
+        if owner is not None:
+            return {"loader": self._snapshot if self._snapshot is not None else owner.state_dict()}
+        return {"epoch_start": self._epoch_start if mid_epoch else None,
+                "generators": [g.get_state() for g in loader_generators(loader)]}
+
+    def load_state_dict(self, position: dict[str, Any], loader: Any, mid_epoch: bool,
+                        rng: dict[str, Any] | None = None) -> None:
+        """Restore a position `state_dict` returned. A loader that saves its own position
+        restores it now; another one is re-created from the saved epoch start at the next
+        `open_epoch` (`mid_epoch`: the counters say batches of the epoch were consumed) or
+        gets its generators' states now. `rng`: the saved step's RNG, set now unless the
+        epoch's iterator is made again mid-epoch (then after it, see `apply_resume_rng`)."""
+        owner = state_owner(loader)
+        if position.get("loader") is not None and owner is not None:
+            owner.load_state_dict(position["loader"])
+            self.loader_restored = True
+        elif position.get("epoch_start") is not None and mid_epoch:
+            self._resume_epoch_start = position["epoch_start"]  # applied when the epoch's iterator is made
+        elif "generators" in position:
+            _set_generator_states(loader, position["generators"])
+        if rng is None:
+            return
+        if mid_epoch:
+            self._resume_rng = rng  # the iterator made again may draw from the RNG: set after it
+        else:
+            set_rng_state(rng)
+
+
+def _set_epoch_start(loader: Any, state: dict[str, Any]) -> None:
+    set_rng_state(state["rng"])
+    _set_generator_states(loader, state["generators"])
+
+
+def _set_generator_states(loader: Any, states: list[torch.Tensor]) -> None:
+    generators = loader_generators(loader)
+    if len(generators) != len(states):
+        logger.warning(
+            "the checkpoint has %d dataloader generator state(s), this loader has %d generator(s): "
+            "the data order after the resume may differ from the saved run",
+            len(states),
+            len(generators),
+        )
+        return
+    for generator, state in zip(generators, states):
+        generator.set_state(state)

@@ -1,0 +1,51 @@
+"""The trainer as components: a small instance dictionary, a state dict composed of its
+components' states, and components that round-trip their own state through it."""
+
+from __future__ import annotations
+
+from dream_trainer import DeviceParameters, DreamTrainer, TrainerConfig, TrainingParameters
+from dream_trainer.testing import ToyTrainer
+from dream_trainer.trainer.data_position import DataPosition
+from dream_trainer.trainer.model_facts import ModelFacts
+from dream_trainer.trainer.step_path import StepPath
+
+STATE = {  # what a bare DreamTrainer holds, and why
+    "config", "world", "callbacks",  # configuration and the two collaborators
+    "global_step", "current_epoch", "local_batches", "_last_val_step",  # counters
+    "status", "stop_reason", "resumed", "run_name", "seed",  # the run
+    "is_accumulating_gradients", "is_last_batch", "validating", "sanity_checking",  # loop flags callbacks read
+    "control", "metric_log", "step_path", "data_position", "model_facts", "build",  # components
+}
+
+
+def test_a_bare_trainer_holds_counters_flags_config_world_callbacks_and_components(tmp_path):
+    trainer = DreamTrainer(TrainerConfig(root_dir=str(tmp_path), device_parameters=DeviceParameters.SINGLE_DEVICE()))
+    assert set(vars(trainer)) == STATE
+    assert len(STATE) <= 22
+    assert isinstance(trainer.step_path, StepPath) and trainer.step_stats is trainer.step_path.stats
+    assert isinstance(trainer.data_position, DataPosition) and isinstance(trainer.model_facts, ModelFacts)
+    assert trainer.training_parameters is trainer.config.training_parameters
+
+
+def test_the_state_dict_is_the_composition_of_the_components_states(tmp_path):
+    trainer = ToyTrainer(TrainerConfig(
+        root_dir=str(tmp_path), device_parameters=DeviceParameters.SINGLE_DEVICE(),
+        training_parameters=TrainingParameters(n_epochs=1, train_steps_per_epoch=3, num_sanity_val_steps=0)))
+    trainer.fit()
+    trainer.step_path.skipped_steps, trainer.step_path.skipped_batches = 2, 1  # as if vetoes had happened
+    state = trainer.state_dict()
+    assert set(state) == {"trainer", "models", "optimizers", "schedulers", "callbacks", "ranks"}
+    counters = state["trainer"]
+    assert {k: counters[k] for k in trainer.step_path.state_dict()} == trainer.step_path.state_dict()
+    assert counters["epoch_complete"] is trainer.data_position.epoch_complete is False  # fit() moved to epoch 1
+    # Optimizer state by parameter name (DCP's form), for checkpoints and heals alike.
+    groups = state["optimizers"]["optimizer"]["param_groups"]
+    assert {p for g in groups for p in g["params"]} == {n for n, _ in trainer.model.named_parameters()}
+
+    other = ToyTrainer(trainer.config)
+    other.load_state_dict(state)
+    assert other.step_path.state_dict() == {"skipped_steps": 2, "skipped_batches": 1}
+    assert (other.global_step, other.current_epoch, other.local_batches) == (3, 1, 0)
+    trainer.data_position.epoch_complete = True  # saved after an epoch's last hooks: the resume starts the next
+    other.load_state_dict(trainer.state_dict())
+    assert (other.current_epoch, other.local_batches) == (2, 0)
