@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import machine, write_json  # noqa: E402
-from dream_trainer.testing.ft import ReplicaGroup, StartGate, start_together, wait_until  # noqa: E402
+from dream_trainer.testing.fault_tolerance import ReplicaGroup, StartGate, start_together, wait_until  # noqa: E402
 
 from dream_trainer import (  # noqa: E402
     Callback,
@@ -77,7 +77,7 @@ class Wide(DreamTrainer):
         g = torch.Generator().manual_seed(0)
         data = TensorDataset(torch.randn(4096, WIDTH, generator=g))
         if self.ft:
-            from dream_trainer.ft import FaultTolerantSampler
+            from dream_trainer.fault_tolerance import FaultTolerantSampler
 
             return DataLoader(data, batch_sampler=FaultTolerantSampler(data, 4, self.world)), None
         shard = slice(self.world.dp_rank, None, self.world.dp_size)
@@ -167,7 +167,7 @@ def _groups(layers: int, steps: int, root: Path, address: str) -> list[ReplicaGr
 def _ft_median(layers: int, steps: int, root: Path, heartbeat_ms: int) -> float:
     """Two groups started together (both in the first quorum), `steps` steps after warm-up:
     group 0's median step with both groups."""
-    from dream_trainer.ft import Lighthouse
+    from dream_trainer.fault_tolerance import Lighthouse
 
     with Lighthouse(bind="127.0.0.1:0", heartbeat_timeout_ms=heartbeat_ms, join_timeout_ms=200) as lh:
         groups = _groups(layers, steps + WARMUP, root, lh.address)
@@ -206,7 +206,7 @@ def steady(size_mb: float, steps: int, root: Path, heartbeat_ms: int, rounds: in
 def recovery(layers: int, steps: int, root: Path, heartbeat_ms: int) -> dict[str, Any]:
     """Two groups: `steps` steps together, group 1 SIGKILLed, 5 steps of group 0 alone,
     group 1 restarted, 5 steps together, then both stopped (SIGTERM)."""
-    from dream_trainer.ft import Lighthouse
+    from dream_trainer.fault_tolerance import Lighthouse
 
     out: dict[str, Any] = {}
     with Lighthouse(bind="127.0.0.1:0", heartbeat_timeout_ms=heartbeat_ms, join_timeout_ms=200) as lh:

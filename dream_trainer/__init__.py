@@ -22,6 +22,7 @@ from dream_trainer.configs import (
     TrainerConfig,
     TrainingParameters,
 )
+from dream_trainer.fault_tolerance import FaultToleranceError, FaultTolerantWorld
 from dream_trainer.serialization import UnsafeStateError, allow_types
 from dream_trainer.launch import LaunchExit, LaunchResult, RunIdentity, entrypoint
 from dream_trainer.trainer import (
@@ -37,8 +38,6 @@ from dream_trainer.trainer import (
 )
 from dream_trainer.world import (
     DistributedWorld,
-    FaultToleranceError,
-    FaultTolerantWorld,
     MemoryStatus,
     MeshPlan,
     MeshPlanError,

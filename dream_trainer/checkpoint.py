@@ -27,7 +27,7 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -47,6 +47,18 @@ _RANK_KEYS = "ranks."  # per-rank entries: present only for the ranks that wrote
 # A callback new in this run has nothing to load; older checkpoints have no list of saved
 # callbacks and no skip counters.
 _OPTIONAL_KEYS = ("callbacks.", "trainer.callbacks", "trainer.skipped_")
+
+
+@runtime_checkable
+class Checkpointer(Protocol):
+    """What another plug-in may rely on from the run's checkpointing callback
+    (`CheckpointCallback` is one): it saves the trainer's state and loads a checkpoint back.
+    A plug-in finds it among the callbacks with ``isinstance(cb, Checkpointer)``, never by
+    its class, so a user's own checkpointing serves too."""
+
+    def save(self, blocking: bool = False) -> None: ...
+
+    def load(self, path: str | Path) -> None: ...
 
 
 def dcp_errors() -> tuple[type[BaseException], ...]:

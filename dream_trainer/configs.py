@@ -304,7 +304,7 @@ class FaultToleranceParameters:
 
     Attributes:
         lighthouse: the lighthouse's address, ``"http://host:port"`` (start one with
-            ``python -m dream_trainer.ft lighthouse``). None: the ``TORCHFT_LIGHTHOUSE``
+            ``python -m dream_trainer.fault_tolerance lighthouse``). None: the ``TORCHFT_LIGHTHOUSE``
             environment variable.
         replica_group_id: this group's id, an int >= 0, distinct per group and the same
             when a group is restarted. None: the ``REPLICA_GROUP_ID`` environment variable.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dream_trainer.callbacks.checkpoint import CheckpointCallback
 from dream_trainer.callbacks.compile_monitor import CompileMonitor
-from dream_trainer.callbacks.fault_tolerance import FaultToleranceCallback
+from dream_trainer.fault_tolerance import FaultToleranceCallback
 from dream_trainer.callbacks.fp8 import Float8Hardware, Fp8Quantization, float8_hardware
 from dream_trainer.callbacks.graph_breaks import FindGraphBreaksCallback
 from dream_trainer.callbacks.logger import LoggerCallback

@@ -277,8 +277,7 @@ class CheckpointCallback(Callback[BaseTrainer]):
         if world.is_rank_zero and mode is not None:
             assert self.root is not None
             if mode == "last":
-                infos = list_checkpoints(self.root)
-                choice = infos[-1].path if infos else None
+                choice = self._newest()
             elif mode == "best":
                 infos = list_checkpoints(self.root)
                 best = best_of(infos, self.params.mode)
@@ -294,6 +293,20 @@ class CheckpointCallback(Callback[BaseTrainer]):
         if choice is None and mode is not None:
             logger.info("no checkpoint to resume from under %s: starting fresh", self.root)
         return choice
+
+    def _newest(self) -> Path | Exception | None:
+        """The newest checkpoint under the world's `resume_roots` (this root's on a tie); a
+        root the world refuses (one leading out of the run) is an error for every rank."""
+        assert self.root is not None
+        try:
+            infos = [info for root in self.trainer.world.resume_roots(self.root) for info in list_checkpoints(root)]
+        except Exception as exc:  # noqa: BLE001 - sent to every rank, raised there
+            return exc
+        own = self.root.resolve()
+        newest = max(infos, key=lambda info: (info.step, info.path.parent.resolve() == own), default=None)
+        if newest is not None and newest.path.parent.resolve() != own:
+            logger.warning("resumes from %s: newer than the checkpoints under %s", newest.path, self.root)
+        return newest.path if newest is not None else None
 
     def load(self, path: str | Path) -> None:
         """Restore the trainer from the checkpoint at `path`."""

@@ -8,6 +8,7 @@ import socket
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -419,6 +420,12 @@ class DistributedWorld:
     """How often, in optimizer steps, this world needs the run's state on disk (a
     fault-tolerant world: ``FaultToleranceParameters.checkpoint_interval``, for a restart of
     every group at once). None here: the checkpoint callback's own schedule."""
+
+    def resume_roots(self, root: Path) -> list[Path]:
+        """The checkpoint roots a resume from the newest checkpoint looks in: this world's
+        `root`, and those of the worlds it shares the run with (a fault-tolerant world:
+        every replica group's this machine sees). Here: `root`."""
+        return [Path(root)]
 
     # ------------------------------------------------------------------ the step (seams)
     announces_batches: bool = False

@@ -13,7 +13,7 @@ writes to ``<root-dir>/gpt/<run-name>/replica_group_<id>/`` (logs, checkpoints a
 
 By hand, the same is (one terminal each)::
 
-    python -m dream_trainer.ft lighthouse --bind 127.0.0.1:29510
+    python -m dream_trainer.fault_tolerance lighthouse --bind 127.0.0.1:29510
     python examples/gpt/train.py --ft-group 0 --lighthouse http://127.0.0.1:29510 --run-name ft
     python examples/gpt/train.py --ft-group 1 --lighthouse http://127.0.0.1:29510 --run-name ft
 """
@@ -30,8 +30,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
-from dream_trainer.ft import Lighthouse  # noqa: E402
-from dream_trainer.testing.ft import ReplicaGroup, wait_until  # noqa: E402
+from dream_trainer.fault_tolerance import Lighthouse  # noqa: E402
+from dream_trainer.testing.fault_tolerance import ReplicaGroup, wait_until  # noqa: E402
 
 
 def run(argv: list[str] | None = None) -> dict[str, Any]:

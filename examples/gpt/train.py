@@ -119,7 +119,7 @@ class GPTTrainer(DreamTrainer):
         world = self.world
         per_rank = max(1, self.args.batch_size // world.dp_size)
         if self.args.ft_group is not None:  # fault tolerant: the training data follows the quorum
-            from dream_trainer.ft import FaultTolerantSampler
+            from dream_trainer.fault_tolerance import FaultTolerantSampler
 
             sampler = FaultTolerantSampler(self.train_set, per_rank, world, seed=self.seed or 0)
             delay = self.args.data_delay_ms / 1000

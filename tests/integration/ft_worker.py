@@ -44,11 +44,11 @@ from dream_trainer import (
     TrainingParameters,
     entrypoint,
 )
-from dream_trainer.ft import FaultTolerantSampler
+from dream_trainer.fault_tolerance import FaultTolerantSampler
 from dream_trainer.testing import ToyTrainer
-from dream_trainer.testing.ft import StartGate, wait_for_file
+from dream_trainer.testing.fault_tolerance import StartGate, wait_for_file
 from dream_trainer.testing.toy import toy_data
-from dream_trainer.world.fault_tolerant import FaultTolerantWorld
+from dream_trainer.fault_tolerance.world import FaultTolerantWorld
 
 
 class Worker(ToyTrainer):

@@ -23,8 +23,8 @@ if importlib.util.find_spec("torchft") is None:  # not imported here: its loggin
     pytest.skip("torchft is not installed", allow_module_level=True)
 
 from dream_trainer import export_model, list_checkpoints  # noqa: E402
-from dream_trainer.ft import Lighthouse  # noqa: E402
-from dream_trainer.testing.ft import ReplicaGroup, start_together, wait_until  # noqa: E402
+from dream_trainer.fault_tolerance import Lighthouse  # noqa: E402
+from dream_trainer.testing.fault_tolerance import ReplicaGroup, start_together, wait_until  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DEMO = HERE.parents[1] / "examples" / "gpt" / "fault_tolerant.py"

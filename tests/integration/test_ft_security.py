@@ -10,7 +10,7 @@ Everything else a group starts listens on loopback here: torchft's heal server a
 Manager gRPC server (bound by dream_trainer), a lone process's store (dream_trainer's,
 bound likewise), and gloo's pair sockets (gloo binds the address of this machine's
 hostname, or of ``GLOO_SOCKET_IFNAME``: loopback on this test machine, a LAN address on
-most clusters). The lighthouse of `dream_trainer.ft.Lighthouse` listens where its ``bind``
+most clusters). The lighthouse of `dream_trainer.fault_tolerance.Lighthouse` listens where its ``bind``
 says (``127.0.0.1`` by default).
 
 Every process is ended whatever happens; the tests wait on events (gate files, exits),
@@ -35,9 +35,9 @@ if importlib.util.find_spec("torchft") is None:
     pytest.skip("torchft is not installed", allow_module_level=True)
 
 from dream_trainer.checkpoint import CheckpointError  # noqa: E402
-from dream_trainer.ft import Lighthouse  # noqa: E402
+from dream_trainer.fault_tolerance import Lighthouse  # noqa: E402
 from dream_trainer.serialization import UnsafeStateError  # noqa: E402
-from dream_trainer.testing.ft import ReplicaGroup, descendants, listening, start_together, wait_until  # noqa: E402
+from dream_trainer.testing.fault_tolerance import ReplicaGroup, descendants, listening, start_together, wait_until  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT = timedelta(seconds=20)
@@ -79,7 +79,7 @@ def test_a_crafted_heal_is_refused_and_its_command_never_runs(tmp_path):
     from torch.distributed.tensor import Replicate, Shard
     from torchft.checkpointing.http_transport import HTTPTransport
 
-    from dream_trainer.world.ft_transport import HealTransport
+    from dream_trainer.fault_tolerance.transport import HealTransport
 
     peer = HealTransport(TIMEOUT, host="127.0.0.1", advertised="127.0.0.1")
     receiver = HealTransport(TIMEOUT, host="127.0.0.1", advertised="127.0.0.1")

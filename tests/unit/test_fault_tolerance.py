@@ -34,7 +34,7 @@ from dream_trainer import (
     TrainerConfig,
     TrainingParameters,
 )
-from dream_trainer.ft import (
+from dream_trainer.fault_tolerance import (
     FaultTolerantSampler,
     Lighthouse,
     check_progress,
@@ -46,7 +46,8 @@ from dream_trainer.ft import (
 from dream_trainer.launch import free_port
 from dream_trainer.testing import ToyTrainer
 from dream_trainer.testing.toy import toy_data
-from dream_trainer.world.fault_tolerant import FaultTolerantWorld, check_heartbeat, check_lighthouse, resolve_hostname
+from dream_trainer.fault_tolerance.addresses import check_heartbeat, check_lighthouse, resolve_hostname
+from dream_trainer.fault_tolerance.world import FaultTolerantWorld
 
 needs_torchft = pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="torchft is not installed")
 
@@ -97,8 +98,8 @@ def test_the_servers_listen_where_the_group_is_reached(monkeypatch):
     while the lighthouse is elsewhere (127.0.1.1 in /etc/hosts): this machine's address on
     the route to the lighthouse, advertised too. An address the heal server cannot listen on
     is an error naming it and the setting to fix."""
-    from dream_trainer.world import ft_transport
-    from dream_trainer.world.ft_transport import HealTransport, bound_store, listen_address
+    from dream_trainer.fault_tolerance import transport as ft_transport
+    from dream_trainer.fault_tolerance.transport import HealTransport, bound_store, listen_address
 
     assert listen_address("127.0.0.1", "127.0.0.1") == ("127.0.0.1", "127.0.0.1")
     assert listen_address("localhost", "localhost")[0] in ("127.0.0.1", "::1")
@@ -136,7 +137,7 @@ def test_an_unreachable_lighthouse_fails_at_once(tmp_path):
     probe = Configured()
     trainer = ToyTrainer(_config(f"http://127.0.0.1:{free_port()}", probe, root=tmp_path))  # nothing listens there
     started = time.monotonic()
-    with pytest.raises(FaultToleranceError, match=r"lighthouse at http://127.0.0.1:\d+ is unreachable.*dream_trainer.ft"):
+    with pytest.raises(FaultToleranceError, match=r"lighthouse at http://127.0.0.1:\d+ is unreachable.*dream_trainer.fault_tolerance"):
         trainer.fit()
     # Before any model is built, and long before torchft's quorum timeout (120 s) would
     # have ended the wait (a bound, not a timing: it holds on a busy machine).
@@ -262,7 +263,7 @@ def test_a_first_quorum_behind_the_run_fails_or_warns(caplog):
     with pytest.raises(FaultToleranceError, match=r"would train this run again from step 0: 17 step\(s\) were "
                                                   r"committed before \(g.jsonl\)"):
         check_progress((17, None, "g.jsonl"), 0, 2, 0)
-    with caplog.at_level("WARNING", logger="dream_trainer.ft"):
+    with caplog.at_level("WARNING", logger="dream_trainer.fault_tolerance"):
         check_progress((17, None, "g.jsonl"), 15, 2, 0)
         check_progress((17, 17, "g.jsonl"), 17, 1, 0)
         check_progress((0, None, ""), 0, 1, 0)
@@ -275,7 +276,7 @@ def test_a_first_quorum_behind_the_run_fails_or_warns(caplog):
 @needs_torchft
 def test_the_lighthouse_command_serves_until_sigterm():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dream_trainer.ft", "lighthouse", "--bind", f"127.0.0.1:{port}"],
+    proc = subprocess.Popen([sys.executable, "-m", "dream_trainer.fault_tolerance", "lighthouse", "--bind", f"127.0.0.1:{port}"],
                             stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
@@ -452,7 +453,7 @@ def test_a_gradient_after_its_all_reduce_started_is_not_committed(tmp_path, ligh
     committed (never applied with half-averaged gradients), said once, and the all-reduce
     then starts after backward: the next steps commit, on the same data first."""
     trainer = TwoBackward(_config(lighthouse.address, root=tmp_path), n_samples=64, batch_size=4)
-    with caplog.at_level("WARNING", logger="dream_trainer.world.fault_tolerant"):
+    with caplog.at_level("WARNING", logger="dream_trainer.fault_tolerance.world"):
         trainer.fit()
     assert trainer.status == "completed" and trainer.global_step == 12 and trainer.skipped_steps == 1
     failed = [e for e in _events(trainer) if e["event"] == "not_committed"]

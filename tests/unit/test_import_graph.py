@@ -1,7 +1,8 @@
 """The direction of the package's dependencies, read from its source (every import
 statement, also those inside functions): the protocol imports nothing from the trainer,
-the world or the shipped callbacks; the trainer and the world import no shipped callback;
-and the packages import each other without a cycle."""
+the world or the shipped callbacks; the trainer and the world import no shipped callback and
+nothing of fault tolerance (which builds on them, in one package); and the packages import
+each other without a cycle."""
 
 import ast
 from pathlib import Path
@@ -52,8 +53,20 @@ def test_the_protocol_imports_nothing_from_the_trainer_world_or_shipped_callback
 
 
 def test_the_trainer_and_the_world_import_no_shipped_callback():
-    assert _offending("trainer", ("callbacks",)) == []
-    assert _offending("world", ("callbacks", "trainer")) == []
+    assert _offending("trainer", ("callbacks", "fault_tolerance")) == []
+    assert _offending("world", ("callbacks", "trainer", "fault_tolerance")) == []
+
+
+def test_fault_tolerance_is_one_package_below_the_shipped_callbacks():
+    """Everything of fault tolerance lives in `dream_trainer.fault_tolerance` (the former
+    `dream_trainer.ft` is a re-export); it meets the checkpoint callback through public seams
+    (`Checkpointer`, the world's `resume_roots`), never by importing a shipped callback."""
+    ft_modules = {m for m in GRAPH if _unit(m) == "fault_tolerance"}
+    assert {"dream_trainer.fault_tolerance.world", "dream_trainer.fault_tolerance.callback"} <= ft_modules
+    assert _offending("fault_tolerance", ("callbacks",)) == []
+    elsewhere = sorted(m for m in GRAPH if _unit(m) not in ("fault_tolerance", "ft", "testing")
+                       and any(word in m for word in ("fault", "ft_", ".ft")))
+    assert elsewhere == []
 
 
 def test_the_packages_import_each_other_without_a_cycle():
@@ -93,3 +106,21 @@ def test_the_trainer_components_import_no_trainer():
                        if (i.startswith("dream_trainer.trainer") and i not in COMPONENTS)
                        or _unit(i) in ("callbacks", "world", "checkpoint"))
     assert offending == []
+
+
+def test_the_former_name_of_fault_tolerance_still_imports_and_says_the_new_one():
+    import importlib
+    import sys
+    import warnings
+
+    import dream_trainer.fault_tolerance as fault_tolerance
+
+    sys.modules.pop("dream_trainer.ft", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = importlib.import_module("dream_trainer.ft")
+    assert [str(w.message) for w in caught if w.category is DeprecationWarning] == [
+        "dream_trainer.ft is now dream_trainer.fault_tolerance (python -m dream_trainer.fault_tolerance lighthouse); "
+        "the old name will be removed"]
+    assert old.Lighthouse is fault_tolerance.Lighthouse and old.main is fault_tolerance.main
+    assert old.FaultTolerantSampler is fault_tolerance.FaultTolerantSampler

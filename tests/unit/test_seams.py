@@ -376,3 +376,39 @@ def test_a_callback_supplies_the_world_before_launch():
     assert trainer.world.device_parameters.timeout_s == 7 and trainer.global_step == 2
     with pytest.raises(TypeError, match="set_world\\(\\) takes a DistributedWorld"):
         trainer.set_world("world")
+
+
+def test_a_world_sharing_its_run_resumes_from_the_newest_checkpoint_of_its_resume_roots(tmp_path, caplog):
+    """The world's `resume_roots` seam: the checkpoint callback resumes (``resume_mode="last"``)
+    from the newest checkpoint under any root the world names (a fault-tolerant world: every
+    replica group's), its own root on a tie; a root the world refuses is an error."""
+    own, peer = tmp_path / "own", tmp_path / "peer"
+
+    def fit(root, max_steps, world_roots=None):
+        class Shared(Callback):
+            def pre_launch(self):
+                world = DistributedWorld(DeviceParameters.SINGLE_DEVICE())
+                if world_roots is not None:
+                    world.resume_roots = world_roots  # this world shares the run with another
+                self.trainer.set_world(world)
+
+        saver = CheckpointCallback(CheckpointParameters(root_dir=str(root), every_n_steps=2, every_n_epochs=None))
+        trainer = ToyTrainer(config([Shared(), saver], max_steps=max_steps, n_epochs=None))
+        trainer.fit()
+        return trainer, saver
+
+    fit(own, 2)
+    fit(peer, 6)  # the peer went on to step 6
+    trainer, saver = fit(own, 8, lambda root: [peer, own])
+    assert saver.resumed_from == peer / "step_000000006" and trainer.global_step == 8
+    assert f"resumes from {peer / 'step_000000006'}" in caplog.text
+    fit(peer, 8)
+    _, saver = fit(own, 8, lambda root: [peer, own])  # a tie at step 8: its own
+    assert saver.resumed_from == own / "step_000000008"
+
+    def refuse(root):
+        raise RuntimeError(f"{root} leads out of the run")
+
+    with pytest.raises(RuntimeError, match="leads out of the run"):
+        fit(own, 10, refuse)
+    assert DistributedWorld(DeviceParameters.SINGLE_DEVICE()).resume_roots(own) == [own]

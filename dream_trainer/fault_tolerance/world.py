@@ -27,28 +27,27 @@ import contextlib
 import logging
 import os
 import re
-import socket
 import time
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from dream_trainer.configs import DeviceParameters, FaultToleranceParameters
-from dream_trainer.world.ft_gradients import GradientBuckets
+from dream_trainer.errors import FaultToleranceError
+from dream_trainer.fault_tolerance.addresses import (
+    check_heartbeat,
+    check_lighthouse,
+    host_port,
+    lighthouse_address,
+    resolve_hostname,
+)
+from dream_trainer.fault_tolerance.gradients import GradientBuckets
+from dream_trainer.fault_tolerance.history import group_roots
 from dream_trainer.world.world import DistributedWorld, _env_int
 
 logger = logging.getLogger(__name__)
-
-LIGHTHOUSES: dict[str, tuple[int, int]] = {}
-"""``{address: (heartbeat_timeout_ms, join_timeout_ms)}`` of the lighthouses this process serves."""
-
-
-class FaultToleranceError(RuntimeError):
-    """A fault-tolerance setting or event the run cannot continue with (an unreachable
-    lighthouse, an unresolvable hostname, more replica failures than `max_failures`)."""
-
 
 _HANDLED = ("got exception waiting for work", "got exception in future", "got exception in all reduce", "got exception in pg configure")
 
@@ -92,96 +91,6 @@ def quiet_torchft() -> None:
                             module="torchft")
 
 
-def lighthouse_address(params: FaultToleranceParameters) -> str:
-    """The lighthouse to use: `params.lighthouse`, else ``$TORCHFT_LIGHTHOUSE``."""
-    address = params.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
-    if not address:
-        raise FaultToleranceError(
-            "no lighthouse: set FaultToleranceParameters(lighthouse='http://host:port') or TORCHFT_LIGHTHOUSE "
-            "(start one with `python -m dream_trainer.ft lighthouse`)"
-        )
-    FaultToleranceParameters(lighthouse=address)  # the same check as the field's
-    return address.rstrip("/")
-
-
-def _host_port(address: str) -> tuple[str, int]:
-    url = urlparse(address)
-    return url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
-
-
-def check_lighthouse(address: str, timeout_s: float) -> None:
-    """Fail at once, with a clear message, when nothing answers at the lighthouse's address
-    (torchft itself would wait for its quorum timeout)."""
-    host, port = _host_port(address)
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return
-    except OSError as exc:
-        raise FaultToleranceError(
-            f"the lighthouse at {address} is unreachable ({exc.__class__.__name__}: {exc}) within "
-            f"connect_timeout_s={timeout_s:g}: start it first (`python -m dream_trainer.ft lighthouse --bind "
-            f"{host}:{port}`) or fix FaultToleranceParameters.lighthouse / TORCHFT_LIGHTHOUSE"
-        ) from None
-
-
-def check_heartbeat(params: FaultToleranceParameters, address: str) -> None:
-    """`heartbeat_interval` must be at most half the lighthouse's heartbeat timeout: a
-    group silent for longer than the timeout is dead to the lighthouse, so with rarer
-    heartbeats a live group drops out of quorums between them, and a joining group waits
-    up to `heartbeat_interval` (many steps) to be let in. The timeout is the real one of a
-    `Lighthouse` this process serves, else ``lighthouse_heartbeat_timeout_s`` (a remote
-    lighthouse's settings cannot be read)."""
-    known = LIGHTHOUSES.get(address)
-    timeout_s = known[0] / 1000 if known else params.lighthouse_heartbeat_timeout_s
-    if params.heartbeat_interval > timeout_s / 2:
-        source = (f"the heartbeat_timeout_ms={known[0]} of the Lighthouse at {address}" if known else
-                  f"FaultToleranceParameters.lighthouse_heartbeat_timeout_s={timeout_s:g}, the lighthouse's "
-                  "--heartbeat-timeout-ms this group assumes (set it to the real one)")
-        raise FaultToleranceError(
-            f"FaultToleranceParameters.heartbeat_interval={params.heartbeat_interval:g} s is too long for a "
-            f"heartbeat timeout of {timeout_s:g} s ({source}): it must be at most half of it, <= "
-            f"{timeout_s / 2:g} s; rarer heartbeats make the lighthouse drop this live group between them and keep "
-            "a joining group waiting for many steps"
-        )
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return all(info[4][0].startswith("127.") or info[4][0] == "::1" for info in socket.getaddrinfo(host, None))
-    except OSError:
-        return False
-
-
-def resolve_hostname(hostname: str | None, lighthouse: str) -> str:
-    """The address peers reach this group at (and its servers listen on, see
-    `dream_trainer.world.ft_transport`). torchft advertises ``socket.gethostname()`` by
-    default, which peers cannot use when it does not resolve: an explicit `hostname` must
-    resolve; without one, ``127.0.0.1`` when the lighthouse is on loopback (every group is
-    on this machine: nothing needs to listen elsewhere), else this machine's hostname when
-    it resolves, else an error."""
-    if hostname is not None:
-        try:
-            socket.getaddrinfo(hostname, None)
-        except OSError as exc:
-            raise FaultToleranceError(
-                f"FaultToleranceParameters.hostname={hostname!r} does not resolve ({exc}): peers could not reach "
-                "this group; give an address or a name in DNS/hosts"
-            ) from None
-        return hostname
-    if _is_loopback(_host_port(lighthouse)[0]):
-        return "127.0.0.1"
-    own = socket.gethostname()
-    try:
-        socket.getaddrinfo(own, None)
-        return own
-    except OSError:
-        pass
-    raise FaultToleranceError(
-        f"this machine's hostname {own!r} does not resolve, so peers could not reach this group: set "
-        "FaultToleranceParameters(hostname=...) to an address the other groups can reach"
-    )
-
-
 def _one_line(exc: BaseException) -> str:
     """An error as one short line: gloo's source location and advice dropped."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -220,7 +129,7 @@ class FaultTolerantWorld(DistributedWorld):
             started, ``(committed, finished, where)``: the most committed steps recorded,
             the step at which a group finished the run (None: none did) and where that was
             read. Set by `FaultToleranceCallback` before training; the first quorum checks
-            this group against it (`dream_trainer.world.ft_history.check_progress`).
+            this group against it (`dream_trainer.fault_tolerance.history.check_progress`).
         gradients: the bucketed cross-group gradient all-reduce (after `launch`).
         bind_host, addresses: the address this rank's servers listen on, and their URLs (``heal``; ``manager``
             on group rank 0), after `launch` (`ft_transport`).
@@ -279,10 +188,10 @@ class FaultTolerantWorld(DistributedWorld):
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-        from dream_trainer.world.ft_transport import HealTransport, bound_store, listen_address, manager_bound_to
+        from dream_trainer.fault_tolerance.transport import HealTransport, bound_store, listen_address, manager_bound_to
 
         params, timeout = self.ft, timedelta(seconds=self.ft.timeout_s)
-        self.bind_host, self.hostname = listen_address(self.hostname, _host_port(self.lighthouse)[0])
+        self.bind_host, self.hostname = listen_address(self.hostname, host_port(self.lighthouse)[0])
         if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
             store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         else:  # one process without a launcher: its own store, reachable by peers (only there)
@@ -369,7 +278,7 @@ class FaultTolerantWorld(DistributedWorld):
         finally:
             self._in_quorum = False
         quorum_s = time.perf_counter() - started
-        from dream_trainer.world.ft_transport import raise_refused_heal
+        from dream_trainer.fault_tolerance.transport import raise_refused_heal
         raise_refused_heal(manager, self.group_id)  # not applied, and would be retried at every step
         self.participants, self.replica_rank = manager.num_participants(), manager.participating_rank()
         self._token = manager.current_step()
@@ -380,7 +289,7 @@ class FaultTolerantWorld(DistributedWorld):
             self._event("heal", seconds=quorum_s, load_s=self._healed_s, participants=self.participants)
             logger.warning("replica group %d healed from a peer at step %d (%.2f s)", self.group_id, self._token, quorum_s)
         if self._attempt == 1 and self.progress is not None:
-            from dream_trainer.world.ft_history import check_progress
+            from dream_trainer.fault_tolerance.history import check_progress
 
             check_progress(self.progress, self._token, self.participants, self.group_id)
         if self.participants != previous:
@@ -459,6 +368,12 @@ class FaultTolerantWorld(DistributedWorld):
             p.grad = None
 
     # ------------------------------------------------------------------ state, events, teardown
+    def resume_roots(self, root: Path) -> list[Path]:
+        """Every replica group's checkpoint root this machine sees (`group_roots`): a group
+        resumes from the newest checkpoint of any group of the run, as its peers may have
+        gone on or finished while it was down."""
+        return group_roots(root, self.group_id)
+
     def state_dict(self) -> dict[str, int]:
         """The Manager's state (committed steps and batches): saved in checkpoints."""
         return dict(self.manager.state_dict()) if self.manager is not None else {}

@@ -9,8 +9,13 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from dream_trainer.protocol.base import Callback
+from dream_trainer.checkpoint import Checkpointer
 from dream_trainer.configs import FaultToleranceParameters
+from dream_trainer.errors import FaultToleranceError
+from dream_trainer.fault_tolerance.history import run_history
+from dream_trainer.fault_tolerance.sampler import FaultTolerantSampler
+from dream_trainer.fault_tolerance.world import FaultTolerantWorld
+from dream_trainer.protocol.base import Callback
 from dream_trainer.trainer.base import BaseTrainer
 
 logger = logging.getLogger(__name__)
@@ -30,8 +35,8 @@ class FaultToleranceCallback(Callback[BaseTrainer]):
       callbacks, RNG and data position) is what a heal sends and loads; with
       ``checkpoint_interval`` the run's `CheckpointCallback` saves every N steps (the
       world's `checkpoint_interval`).
-    - `pre_setup`: a group resumes from the newest checkpoint of *any* group of the run it can
-      see, when it is newer than its own (its peers may have finished or be gone); the first
+    - resume: a group resumes from the newest checkpoint of *any* group of the run it can
+      see (the world's `resume_roots`: its peers may have finished or be gone); the first
       quorum fails with `FaultToleranceError` rather than train on from an older state than
       the run's files show (see `FaultTolerantWorld.progress`).
     - every step: the quorum before the step's data, gradients averaged over the groups, the
@@ -66,8 +71,6 @@ class FaultToleranceCallback(Callback[BaseTrainer]):
 
     # ------------------------------------------------------------------ lifecycle
     def pre_launch(self) -> None:
-        from dream_trainer.world.fault_tolerant import FaultTolerantWorld
-
         trainer = self.trainer
         training = trainer.training_parameters
         if training.max_steps is None:
@@ -109,49 +112,31 @@ class FaultToleranceCallback(Callback[BaseTrainer]):
         )
         self._checkpoint_schedule()
 
-    def _checkpoints(self) -> list[Any]:
-        from dream_trainer.callbacks.checkpoint import CheckpointCallback
-
-        return [cb for cb in self.trainer.callbacks if isinstance(cb, CheckpointCallback)]
-
     def _checkpoint_schedule(self) -> None:
         """``checkpoint_interval`` is applied by the checkpoint callback (it reads the world's
         `checkpoint_interval`); here: that there is one to apply it."""
         interval = self.params.checkpoint_interval
-        if interval is not None and not self._checkpoints():
+        if interval is not None and not any(isinstance(cb, Checkpointer) for cb in self.trainer.callbacks):
             raise ValueError(f"FaultToleranceParameters.checkpoint_interval={interval} needs a CheckpointCallback "
                              "in the callbacks")
 
     def pre_setup(self) -> None:
-        """Resume from the newest checkpoint any group of this run committed, when it is newer
-        than the one this group resumed from; hand the run's history to the world."""
-        from dream_trainer.checkpoint import list_checkpoints
-        from dream_trainer.ft import group_roots, run_history
-        from dream_trainer.world.fault_tolerant import FaultToleranceError
-
-        trainer, world = self.trainer, self.world
-        resuming = [cb for cb in self._checkpoints() if cb.params.resume_mode == "last" and cb.root is not None]
+        """Hand the run's history (what its groups' event files say) to the world, which
+        checks this group's first quorum against it. The checkpoint callback has resumed
+        from the newest checkpoint of any group already (the world's `resume_roots`)."""
+        world = self.world
         found: Any = None
         if world.is_rank_zero:  # one look at the files for the whole group
             try:
-                infos = [info for cb in resuming for root in group_roots(cb.root, world.group_id)
-                         for info in list_checkpoints(root)]
-                newest = max(infos, key=lambda info: info.step, default=None)
-                newer = newest.path if newest is not None and newest.step > trainer.global_step else None
-                found = (newer, run_history(self._run_dir))  # type: ignore[arg-type]
+                found = run_history(self._run_dir)  # type: ignore[arg-type]
             except FaultToleranceError as exc:  # a path that leads out of the run: every rank raises it
                 found = exc
         found = world.broadcast_object(found)
         if isinstance(found, FaultToleranceError):
             raise found
-        newer, world.progress = found
-        if newer is not None:
-            logger.warning("replica group %d resumes from %s, newer than its own checkpoints", world.group_id, newer)
-            resuming[0].load(newer)
+        world.progress = found
 
     def post_setup(self) -> None:
-        from dream_trainer.ft import FaultTolerantSampler
-
         trainer = self.trainer
         sampler = getattr(trainer.train_dataloader, "batch_sampler", None)
         accumulation = trainer.training_parameters.gradient_accumulation_steps

@@ -1,7 +1,7 @@
 """What a fault-tolerant run's files say: the groups' event logs (`run_history`), their
 checkpoint roots (`group_roots`), the check of a group's first quorum against them
 (`check_progress`), and the rule that a group reads only its own run's files (`confined`).
-Re-exported by `dream_trainer.ft`."""
+Re-exported by `dream_trainer.fault_tolerance`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import logging
 import re
 from pathlib import Path
 
-from dream_trainer.world.fault_tolerant import FaultToleranceError
+from dream_trainer.errors import FaultToleranceError
 
-logger = logging.getLogger("dream_trainer.ft")
+logger = logging.getLogger("dream_trainer.fault_tolerance")
 
 __all__ = ["check_progress", "confined", "group_roots", "run_history"]
 

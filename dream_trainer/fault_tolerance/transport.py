@@ -11,7 +11,7 @@ The servers a group starts listen on the address of the interface the run is con
 for (`listen_address`: the address of `FaultToleranceParameters.hostname`, ``127.0.0.1`` when
 the lighthouse is on loopback) rather than on every interface, as torchft's do: the heal
 server (`HealTransport`), the Manager's gRPC server (`manager_bound_to`) and a lone
-process's store (`bound_store`). The lighthouse of `dream_trainer.ft.Lighthouse` listens
+process's store (`bound_store`). The lighthouse of `dream_trainer.fault_tolerance.Lighthouse` listens
 where its ``bind`` says (``127.0.0.1`` by default). What still listens on every interface
 is listed in ``docs/fault_tolerance.md`` (Security).
 """
@@ -33,6 +33,7 @@ from urllib.parse import urlparse
 from torchft.checkpointing import http_transport
 from torchft.checkpointing.http_transport import HTTPTransport
 
+from dream_trainer.errors import FaultToleranceError
 from dream_trainer.serialization import allowed, refusal
 
 __all__ = ["HealTransport", "bound_store", "listen_address", "manager_bound_to", "raise_refused_heal"]
@@ -95,8 +96,6 @@ def _replaced(module: Any, name: str, replacement: Any) -> Iterator[None]:
 
 
 def _cannot_listen(what: str, host: str, advertised: str, exc: OSError) -> Exception:
-    from dream_trainer.world.fault_tolerant import FaultToleranceError
-
     return FaultToleranceError(
         f"{what} cannot listen on {host} (the address of this group's hostname {advertised!r}): {exc}; set "
         "FaultToleranceParameters(hostname=...) to an address of this machine that peers reach"
