@@ -1,4 +1,4 @@
-"""Float8 training (torchao, `Fp8Quantization`) against bfloat16: tokens/s and peak memory.
+"""Float8 training (torchao, `Fp8QuantizationCallback`) against bfloat16: tokens/s and peak memory.
 
 Two models, each trained one rank on the whole machine, in a fresh process per run:
 
@@ -11,7 +11,7 @@ Variants: ``fp32``; ``bf16`` (autocast bfloat16); ``fp8-tensorwise`` and ``fp8-r
 tokens/s from the median timed step; peak memory from the device (CUDA) or the process's
 peak resident set (CPU). The ratio column is against bf16 of the same model and mode.
 
-On a CPU (or a GPU before SM89) there is no float8 matmul: `Fp8Quantization` has torchao
+On a CPU (or a GPU before SM89) there is no float8 matmul: `Fp8QuantizationCallback` has torchao
 emulate it (``emulate=True``: casts, scales and a float32 matmul), so float8 is SLOWER there;
 the script says so. The speedup is a property of H100/H200-class GPUs (torchtitan reports
 ~1.28x over bf16 + compile on Llama-3 8B).
@@ -85,7 +85,7 @@ class LinearHeavy(DreamTrainer):
 
 def run(model: str, variant: str, compiled: bool, opts: dict[str, Any]) -> dict[str, Any]:
     """One run, in its own process."""
-    from dream_trainer.callbacks import Fp8Quantization
+    from dream_trainer.callbacks import Fp8QuantizationCallback
 
     device = opts["device"]
     torch.set_num_threads(os.cpu_count() or 1)
@@ -97,7 +97,7 @@ def run(model: str, variant: str, compiled: bool, opts: dict[str, Any]) -> dict[
         callbacks: list[Any] = [timer]
         if variant.startswith("fp8"):
             logging.getLogger("dream_trainer.callbacks.fp8").setLevel(logging.ERROR)  # the table says "EMULATED" once
-            callbacks.append(Fp8Quantization(variant.split("-")[1], display=False))
+            callbacks.append(Fp8QuantizationCallback(variant.split("-")[1], display=False))
         steps = opts["warmup"] + opts["steps"]
         config = TrainerConfig(
             experiment="fp8", root_dir=root, seed=0, device_parameters=params,

@@ -1,4 +1,4 @@
-"""FSDP2 prefetching on 2 ranks: the demo GPT with no `OptimizeFSDP`, `prefetch=1` and
+"""FSDP2 prefetching on 2 ranks: the demo GPT with no `OptimizeFSDPCallback`, `prefetch=1` and
 `prefetch=2`, and `prefetch=1` without the root's early unshard (tokens/s, ms/step).
 
 Every run is 2 fresh processes (`spawn_world`, gloo on CPU, nccl on 2 GPUs when present)
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt")
 from train import PARALLEL, GPTTrainer, parse_args  # noqa: E402
 
 from dream_trainer import Callback, LoggingParameters, TrainerConfig, TrainingParameters  # noqa: E402
-from dream_trainer.callbacks import OptimizeFSDP  # noqa: E402
+from dream_trainer.callbacks import OptimizeFSDPCallback  # noqa: E402
 from dream_trainer.testing import spawn_world  # noqa: E402
 
 from common import StepTimes, machine, write_json  # noqa: E402  (benchmarks/common.py)
@@ -51,7 +51,7 @@ def run_rank(options: dict[str, Any] | None, opts: dict[str, Any], device: str, 
     args = parse_args(["--steps", str(steps), "--batch-size", str(opts["batch_size"]), "--n-layer", str(opts["n_layer"]),
                        "--d-model", str(opts["d_model"]), "--n-chars", str(opts["n_chars"])])
     timer = StepTimes()
-    callbacks: list[Callback[Any]] = [timer] + ([OptimizeFSDP(**options)] if options else [])
+    callbacks: list[Callback[Any]] = [timer] + ([OptimizeFSDPCallback(**options)] if options else [])
     config = TrainerConfig(
         experiment="prefetch", root_dir=root, seed=0, device_parameters=PARALLEL["fsdp"](device=device),
         training_parameters=TrainingParameters(n_epochs=None, max_steps=steps, val_every_n_steps=None,

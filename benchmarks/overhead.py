@@ -7,8 +7,8 @@ optimizer on the same in-memory batches (data loading is not measured):
     dream       a DreamTrainer doing the same in training_step, no callbacks
     dream+20cb  the same trainer with 20 callbacks that each override 6 hooks with no-ops
     dream+perf  the same trainer with the performance callbacks attached but not profiling:
-                ProfileCallback (its window already done), PerformanceReport (measuring every
-                step), CompileMonitor and OptimizeFSDP (nothing compiled or sharded here)
+                ProfileCallback (its window already done), PerformanceReportCallback (measuring every
+                step), CompileMonitorCallback and OptimizeFSDPCallback (nothing compiled or sharded here)
     dream+health the same trainer with the six health callbacks at their default intervals
                 (health_callbacks(); the dashboard is off: not a terminal)
     dream+norm  the same trainer, no callbacks, computing the pre-clip gradient norm and
@@ -92,14 +92,14 @@ class Interleave(Callback[Any]):
     no-op callbacks in or out according to the schedule."""
 
     def __init__(self, schedule: list[str], batches: list[Any], n_callbacks: int, out_dir: Path):
-        from dream_trainer.callbacks import CompileMonitor, OptimizeFSDP, PerformanceReport, ProfileCallback
+        from dream_trainer.callbacks import CompileMonitorCallback, OptimizeFSDPCallback, PerformanceReportCallback, ProfileCallback
 
         self.schedule, self.batches, self.n_callbacks = schedule, batches, n_callbacks
         # ProfileCallback profiles 2 steps the first time it is attached (a warm-up epoch),
         # then stays attached with profiling off.
         self.perf: list[Callback[Any]] = [
             ProfileCallback(wait=0, warmup=1, active=1, output_dir=out_dir / "profile"),
-            PerformanceReport(output_dir=out_dir), CompileMonitor(), OptimizeFSDP(),
+            PerformanceReportCallback(output_dir=out_dir), CompileMonitorCallback(), OptimizeFSDPCallback(),
         ]
         from dream_trainer.callbacks import health_callbacks
 

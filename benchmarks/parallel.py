@@ -125,7 +125,7 @@ def run_rank(layout: str, threads: int | None, device: str, opts: dict[str, Any]
             num_sanity_val_steps=0, gradient_clip_val=1.0,
         ),
         logging_parameters=LoggingParameters(log_every_n_steps=10**9, log_lr=False),
-        callbacks=[timer],  # no ProgressBar, no LoggerCallback
+        callbacks=[timer],  # no ProgressBarCallback, no LoggerCallback
     )
     trainer = GPTTrainer(config, args)
     trainer.fit()

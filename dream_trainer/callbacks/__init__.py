@@ -1,6 +1,11 @@
 """Callbacks: the protocol (re-exported from `dream_trainer.protocol`) and the callbacks
 that ship with dream_trainer.
 
+Every shipped callback is named ``<what it does>Callback``. dream-trainer's names
+(`OptimizeFSDP`, `ProgressBar`, `Fp8Quantization`, and `FindGraphBreaksCallback`, ...,
+which already follow the rule) and this project's former ones (`CompileMonitor`,
+`PerformanceReport`) import too: each is the same class under a second name.
+
 The shipped callbacks depend on the trainer and the protocol; neither depends on them. A
 callback's optional dependency (torchao, torchft, rich) is imported only when that
 callback is used.
@@ -9,9 +14,9 @@ callback is used.
 from __future__ import annotations
 
 from dream_trainer.callbacks.checkpoint import CheckpointCallback
-from dream_trainer.callbacks.compile_monitor import CompileMonitor
+from dream_trainer.callbacks.compile_monitor import CompileMonitorCallback, CompileMonitor
 from dream_trainer.fault_tolerance import FaultToleranceCallback
-from dream_trainer.callbacks.fp8 import Float8Hardware, Fp8Quantization, float8_hardware
+from dream_trainer.callbacks.fp8 import Float8Hardware, Fp8Quantization, Fp8QuantizationCallback, float8_hardware
 from dream_trainer.callbacks.graph_breaks import FindGraphBreaksCallback
 from dream_trainer.callbacks.logger import LoggerCallback
 from dream_trainer.callbacks.monitors import (
@@ -23,10 +28,10 @@ from dream_trainer.callbacks.monitors import (
     TrainingDashboardCallback,
     health_callbacks,
 )
-from dream_trainer.callbacks.optimize_fsdp import OptimizeFSDP
-from dream_trainer.callbacks.performance import PerformanceReport
+from dream_trainer.callbacks.optimize_fsdp import OptimizeFSDPCallback, OptimizeFSDP
+from dream_trainer.callbacks.performance import PerformanceReportCallback, PerformanceReport
 from dream_trainer.callbacks.profile import ProfileCallback
-from dream_trainer.callbacks.progress import ProgressBar
+from dream_trainer.callbacks.progress import ProgressBarCallback, ProgressBar
 from dream_trainer.protocol import (
     CONTEXT_HOOKS,
     HOOKS,
@@ -46,18 +51,23 @@ __all__ = [
     "CallbackCollection",
     "CallbackDependencyError",
     "CheckpointCallback",
+    "CompileMonitorCallback",
     "CompileMonitor",
     "FaultToleranceCallback",
     "FindGraphBreaksCallback",
     "Float8Hardware",
+    "Fp8QuantizationCallback",
     "Fp8Quantization",
     "GradientMonitorCallback",
     "LoggerCallback",
     "LossMonitorCallback",
     "MemoryMonitorCallback",
+    "OptimizeFSDPCallback",
     "OptimizeFSDP",
+    "PerformanceReportCallback",
     "PerformanceReport",
     "ProfileCallback",
+    "ProgressBarCallback",
     "ProgressBar",
     "RankZeroCallback",
     "SkipBatch",

@@ -1,4 +1,4 @@
-"""Helpers of `Fp8Quantization` (`dream_trainer.callbacks.fp8`): which hardware multiplies in
+"""Helpers of `Fp8QuantizationCallback` (`dream_trainer.callbacks.fp8`): which hardware multiplies in
 float8, torchao's config for a recipe there, and the per-model summary.
 
 torchao is imported only inside `torchao_config`, when a model is converted.
@@ -43,9 +43,9 @@ def float8_hardware(device: torch.device | str) -> Float8Hardware:
         major, minor = torch.cuda.get_device_capability(device)
         return Float8Hardware((major, minor) >= (8, 9), f"{name} (compute capability {major}.{minor})")
     raise ValueError(
-        f"Fp8Quantization: float8 training on device {str(device)!r} is not supported: torchao's float8 runs on "
+        f"Fp8QuantizationCallback: float8 training on device {str(device)!r} is not supported: torchao's float8 runs on "
         "NVIDIA GPUs (native from compute capability 8.9, emulated before), AMD GPUs (native on MI300/MI350, "
-        "emulated before) and CPUs (emulated). Train on one of those, or without Fp8Quantization"
+        "emulated before) and CPUs (emulated). Train on one of those, or without Fp8QuantizationCallback"
     )
 
 
@@ -78,12 +78,12 @@ def summary(name: str, recipe: str, converted: list[str], skipped: dict[str, str
         reasons[reason].append(fqn)
     why = "; ".join(f"{_names(fqns)} ({reason})" for reason, fqns in reasons.items())
     if converted:
-        return (f"Fp8Quantization: {name}: {len(converted)} of {n_linear} nn.Linear layer(s) converted to float8 "
+        return (f"Fp8QuantizationCallback: {name}: {len(converted)} of {n_linear} nn.Linear layer(s) converted to float8 "
                 f"({recipe}, {how}): {_names(converted)}; skipped: {why or 'none'}")
     cause = "it has no nn.Linear layers" if n_linear == 0 else f"its {n_linear} nn.Linear layer(s) were all skipped"
     cause += f"; not converted: {why}" if why else ""
-    return (f"Fp8Quantization: {name}: 0 layers converted to float8: {cause}. It trains in high precision, as "
-            "without Fp8Quantization")
+    return (f"Fp8QuantizationCallback: {name}: 0 layers converted to float8: {cause}. It trains in high precision, as "
+            "without Fp8QuantizationCallback")
 
 
 def _names(fqns: list[str], shown: int = 4) -> str:

@@ -1,4 +1,4 @@
-"""`CompileMonitor`: compile time, compiles and recompiles per compiled region, and graph
+"""`CompileMonitorCallback`: compile time, compiles and recompiles per compiled region, and graph
 breaks, from dynamo's compile events."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ _RECOMPILE_LOGGER = "torch._dynamo.guards.__recompiles"
 _RECOMPILING = re.compile(r"Recompiling function (\S+) in (.+):(\d+)")
 
 
-class CompileMonitor(Callback[DreamTrainer]):
+class CompileMonitorCallback(Callback[DreamTrainer]):
     """Watch ``torch.compile`` work on the trainer's compiled regions.
 
     Dynamo's compile-start/-end events (``torch._dynamo.callback``) are attributed to the
@@ -39,7 +39,7 @@ class CompileMonitor(Callback[DreamTrainer]):
 
     def __init__(self, warn_after: int = 4):
         if isinstance(warn_after, bool) or not isinstance(warn_after, int) or warn_after < 1:
-            raise ValueError(f"CompileMonitor(warn_after={warn_after!r}) is invalid: expected an int >= 1")
+            raise ValueError(f"CompileMonitorCallback(warn_after={warn_after!r}) is invalid: expected an int >= 1")
         self.warn_after = warn_after
         self.regions: dict[str, dict[str, Any]] = {}
         self._by_module: dict[int, str] = {}
@@ -164,3 +164,7 @@ class _Collect(logging.Handler):
 def _code_of(module: nn.Module) -> tuple[str, int] | None:
     code = getattr(type(module).forward, "__code__", None)
     return (code.co_filename, code.co_firstlineno) if code is not None else None
+
+
+CompileMonitor = CompileMonitorCallback
+"""`CompileMonitorCallback` under its former name (the same class)."""

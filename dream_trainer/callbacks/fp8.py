@@ -1,4 +1,4 @@
-"""`Fp8Quantization`: float8 training with torchao, as a callback.
+"""`Fp8QuantizationCallback`: float8 training with torchao, as a callback.
 
 Needs ``torchao`` (``pip install dream-trainer[fp8]``), imported only when the callback is
 used.
@@ -29,7 +29,7 @@ _DELAYED = ("amax_history_len", "amax_compute_algo", "scaling_type_input", "scal
 _HEAD_NAMES = ("lm_head", "head", "output", "classifier", "output_projection")
 
 
-class Fp8Quantization(Callback[DreamTrainer]):
+class Fp8QuantizationCallback(Callback[DreamTrainer]):
     """Train the chosen models' ``nn.Linear`` layers in float8 (torchao
     ``convert_to_float8_training``).
 
@@ -66,7 +66,7 @@ class Fp8Quantization(Callback[DreamTrainer]):
     resume like any other (the weights stay in high precision); ``export_model`` writes them
     as a plain ``state_dict`` that loads into the unconverted model.
 
-    dream-trainer's ``Fp8Quantization(enabled=True)`` is accepted. Delayed scaling
+    dream-trainer's ``Fp8QuantizationCallback(enabled=True)`` is accepted. Delayed scaling
     (``amax_history_len=``, ``amax_compute_algo=``) no longer exists in torchao: passing it
     is an error that names the recipe to use instead.
     """
@@ -85,14 +85,14 @@ class Fp8Quantization(Callback[DreamTrainer]):
         delayed = sorted(set(legacy) & set(_DELAYED))
         if delayed:
             raise TypeError(
-                f"Fp8Quantization({', '.join(f'{k}=' for k in delayed)}...): delayed scaling was removed from torchao; "
+                f"Fp8QuantizationCallback({', '.join(f'{k}=' for k in delayed)}...): delayed scaling was removed from torchao; "
                 "use the dynamic 'tensorwise' recipe (the closest), or 'rowwise'"
             )
         if legacy:
-            raise TypeError(f"Fp8Quantization got unexpected argument(s) {sorted(legacy)}")
+            raise TypeError(f"Fp8QuantizationCallback got unexpected argument(s) {sorted(legacy)}")
         for flag, value in (("enabled", enabled), ("display", display)):
             if not isinstance(value, bool):
-                raise TypeError(f"Fp8Quantization({flag}={value!r}): expected True or False")
+                raise TypeError(f"Fp8QuantizationCallback({flag}={value!r}): expected True or False")
         if isinstance(model_to_recipe, dict):
             self.model_to_recipe: dict[str, str] | None = dict(model_to_recipe)
             self.default_recipe = "tensorwise"
@@ -100,12 +100,12 @@ class Fp8Quantization(Callback[DreamTrainer]):
             self.model_to_recipe, self.default_recipe = None, model_to_recipe or "tensorwise"
         else:
             raise TypeError(
-                f"Fp8Quantization(model_to_recipe={model_to_recipe!r}): expected {{model name: recipe}}, a recipe "
+                f"Fp8QuantizationCallback(model_to_recipe={model_to_recipe!r}): expected {{model name: recipe}}, a recipe "
                 "for every model, or None"
             )
         for recipe in [*(self.model_to_recipe or {}).values(), self.default_recipe]:
             if recipe not in RECIPES:
-                raise ValueError(f"Fp8Quantization: recipe {recipe!r} is not one of {list(RECIPES)}")
+                raise ValueError(f"Fp8QuantizationCallback: recipe {recipe!r} is not one of {list(RECIPES)}")
         self.module_filter_fn, self.enabled, self.min_elements = module_filter_fn, enabled, min_elements
         self.fsdp_float8_all_gather, self.display = fsdp_float8_all_gather, display
         self.hardware: Float8Hardware | None = None
@@ -116,12 +116,12 @@ class Fp8Quantization(Callback[DreamTrainer]):
     # ------------------------------------------------------------------ conversion
     def post_configure_models(self, models: dict[str, nn.Module]) -> None:
         if not self.enabled:
-            logger.info("Fp8Quantization(enabled=False): no model is converted")
+            logger.info("Fp8QuantizationCallback(enabled=False): no model is converted")
             return
         recipes = self.model_to_recipe if self.model_to_recipe is not None else {n: self.default_recipe for n in models}
         unknown = sorted(set(recipes) - set(models))
         if unknown:
-            raise KeyError(f"Fp8Quantization: no model named {unknown}; the trainer has {sorted(models)}")
+            raise KeyError(f"Fp8QuantizationCallback: no model named {unknown}; the trainer has {sorted(models)}")
         trainer = self.trainer
         self.hardware = float8_hardware(trainer.world.device)  # refuses a device torchao's float8 cannot run on
         _quiet_torchao()
@@ -131,7 +131,7 @@ class Fp8Quantization(Callback[DreamTrainer]):
             self._convert(name, recipe, models[name], filters, self.hardware)
         if not self.hardware.native and any(self.converted.values()) and trainer.world.is_rank_zero:
             logger.warning(
-                "Fp8Quantization: %s has no float8 matmul, so torchao emulates it (Float8LinearConfig(emulate=True)): "
+                "Fp8QuantizationCallback: %s has no float8 matmul, so torchao emulates it (Float8LinearConfig(emulate=True)): "
                 "the converted layers round their matmul inputs to float8 with the recipe's scales, as float8 hardware "
                 "does, and multiply in float32. It trains with float8 numerics but slower than without float8; the "
                 "speedup needs an NVIDIA GPU of compute capability 8.9+ (Ada, H100, H200, B200) or an AMD MI300/MI350",
@@ -226,3 +226,7 @@ def _quiet_torchao() -> None:
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
+
+
+Fp8Quantization = Fp8QuantizationCallback
+"""`Fp8QuantizationCallback` under dream-trainer's name (the same class)."""

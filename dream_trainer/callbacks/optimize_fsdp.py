@@ -1,4 +1,4 @@
-"""`OptimizeFSDP`: explicit FSDP2 prefetching in the order the modules really run."""
+"""`OptimizeFSDPCallback`: explicit FSDP2 prefetching in the order the modules really run."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dream_trainer.trainer.dream import DreamTrainer
 logger = logging.getLogger(__name__)
 
 
-class OptimizeFSDP(Callback[DreamTrainer]):
+class OptimizeFSDPCallback(Callback[DreamTrainer]):
     """Trace the order FSDP2 modules run in, then prefetch along it.
 
     During the first training step (more if some sharded module did not run yet, at most
@@ -35,7 +35,7 @@ class OptimizeFSDP(Callback[DreamTrainer]):
     def __init__(self, prefetch: int = 1, display: bool = False, unshard_on_step: bool = True, max_trace_steps: int = 3):
         for name, value in (("prefetch", prefetch), ("max_trace_steps", max_trace_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"OptimizeFSDP({name}={value!r}) is invalid: expected an int >= 1")
+                raise ValueError(f"OptimizeFSDPCallback({name}={value!r}) is invalid: expected an int >= 1")
         self.prefetch, self.display, self.unshard_on_step, self.max_trace_steps = prefetch, display, unshard_on_step, max_trace_steps
         self.forward_order: dict[str, list[str]] = {}
         self.backward_order: dict[str, list[str]] = {}
@@ -49,7 +49,7 @@ class OptimizeFSDP(Callback[DreamTrainer]):
         self._sharded = {name: trainer.fsdp_modules(name) for name in trainer.named_models()}
         self._sharded = {name: mods for name, mods in self._sharded.items() if mods}
         if not self._sharded:
-            logger.warning("OptimizeFSDP: no model is sharded with fully_shard (dp_shard=1?): nothing to do")
+            logger.warning("OptimizeFSDPCallback: no model is sharded with fully_shard (dp_shard=1?): nothing to do")
             return
         # The tracing hooks fire on module outputs whose inputs may not need gradients
         # (the first block's input): torch notes it once; it is expected here.
@@ -104,7 +104,7 @@ class OptimizeFSDP(Callback[DreamTrainer]):
                 + (f"; never ran (not prefetched): {_names(never)}" if never else "")
             )
         self.applied = True
-        text = f"OptimizeFSDP(prefetch={self.prefetch}) traced order:\n  " + "\n  ".join(lines)
+        text = f"OptimizeFSDPCallback(prefetch={self.prefetch}) traced order:\n  " + "\n  ".join(lines)
         logger.info("%s", text)
         if self.display and self.trainer.world.rank == 0:
             print(text)
@@ -118,3 +118,7 @@ class OptimizeFSDP(Callback[DreamTrainer]):
 
 def _names(paths: list[str]) -> str:
     return "[" + ", ".join(p or "<root>" for p in paths) + "]"
+
+
+OptimizeFSDP = OptimizeFSDPCallback
+"""`OptimizeFSDPCallback` under dream-trainer's name (the same class)."""

@@ -1,4 +1,4 @@
-"""`PerformanceReport`: where a run's step time goes, written at the end of fit as Markdown
+"""`PerformanceReportCallback`: where a run's step time goes, written at the end of fit as Markdown
 and JSON, with plain-language findings."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dream_trainer.world.memory import MB
 logger = logging.getLogger(__name__)
 
 
-class PerformanceReport(RankZeroCallback[BaseTrainer]):
+class PerformanceReportCallback(RankZeroCallback[BaseTrainer]):
     """Measure every `measure_every`-th optimizer step and write, when `fit()` ends,
     ``performance_report.md`` and ``performance_report.json`` (in `output_dir`, default the
     run directory; rank 0):
@@ -36,7 +36,7 @@ class PerformanceReport(RankZeroCallback[BaseTrainer]):
       (`peak_flops` per device, or a known GPU);
     - peak memory since `fit()` started training (``trainer.world.memory_status()``: the
       device's allocated memory on CUDA, the process's resident set on CPU), compile time
-      (``trainer.build.total_compile_time_s``: measured when a `CompileMonitor` runs);
+      (``trainer.build.total_compile_time_s``: measured when a `CompileMonitorCallback` runs);
     - findings, computed from those numbers: a dataloader-, optimizer- or callback-bound
       run, irregular step times, a long warm-up; or none.
 
@@ -56,12 +56,12 @@ class PerformanceReport(RankZeroCallback[BaseTrainer]):
                  data_bound: float = 0.2, optimizer_bound: float = 0.3, callback_bound: float = 0.15,
                  irregular: float = 1.5, keep_steps: int = 10_000, peak_flops: float | None = None):
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"PerformanceReport(warmup_steps={warmup_steps!r}) is invalid: expected an int >= 0")
+            raise ValueError(f"PerformanceReportCallback(warmup_steps={warmup_steps!r}) is invalid: expected an int >= 0")
         if measure_every is not None and (isinstance(measure_every, bool) or not isinstance(measure_every, int) or measure_every < 1):
-            raise ValueError(f"PerformanceReport(measure_every={measure_every!r}) is invalid: expected an int >= 1 or None")
+            raise ValueError(f"PerformanceReportCallback(measure_every={measure_every!r}) is invalid: expected an int >= 1 or None")
         if peak_flops is not None and (isinstance(peak_flops, bool) or not isinstance(peak_flops, (int, float))
                                        or not peak_flops > 0):
-            raise ValueError(f"PerformanceReport(peak_flops={peak_flops!r}) is invalid: expected FLOP/s > 0 or None")
+            raise ValueError(f"PerformanceReportCallback(peak_flops={peak_flops!r}) is invalid: expected FLOP/s > 0 or None")
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.peak_flops = peak_flops
         self.warmup_steps, self.measure_every = warmup_steps, measure_every
@@ -132,7 +132,7 @@ class PerformanceReport(RankZeroCallback[BaseTrainer]):
         per_rank_samples = sum(r["samples"] for r in steady) / total
         per_rank_tokens = sum(r["tokens"] for r in steady) / total if stats.total_tokens else None
         dp = trainer.world.dp_size
-        build = getattr(trainer, "build", None)  # a DreamTrainer's BuildRecord (compile time: CompileMonitor's)
+        build = getattr(trainer, "build", None)  # a DreamTrainer's BuildRecord (compile time: CompileMonitorCallback's)
         compile_s = build.total_compile_time_s if build is not None else None
         report = {
             "steps_measured": len(rows), "measure_every": self.measure_every, "warmup_steps": self.warmup_steps,
@@ -227,13 +227,13 @@ def _markdown(r: dict[str, Any]) -> str:
 
 
 class _SyncMeasuredSteps(RankZeroCallback[BaseTrainer]):
-    """On CUDA: synchronize at the boundaries of the steps `PerformanceReport` measures, so
+    """On CUDA: synchronize at the boundaries of the steps `PerformanceReportCallback` measures, so
     its host clocks see device time (deliberate syncs, on measured steps only)."""
 
     critical = False
     order = 10_000  # last: its pre_train_step sync is right before training_step
 
-    def __init__(self, report: PerformanceReport):
+    def __init__(self, report: PerformanceReportCallback):
         self.report, self.sync = report, False
 
     def pre_train_step(self, batch: Any, batch_idx: int) -> None:
@@ -248,3 +248,7 @@ class _SyncMeasuredSteps(RankZeroCallback[BaseTrainer]):
     def post_optimizer_zero_grad(self, model: Any, optimizer: Any) -> None:
         if self.sync:
             torch.cuda.synchronize()  # the update done within the optimizer's time
+
+
+PerformanceReport = PerformanceReportCallback
+"""`PerformanceReportCallback` under its former name (the same class)."""

@@ -1,4 +1,4 @@
-"""`ProgressBar`: a tqdm bar per epoch with step, loss, lr and it/s (rank zero)."""
+"""`ProgressBarCallback`: a tqdm bar per epoch with step, loss, lr and it/s (rank zero)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dream_trainer.protocol.base import RankZeroCallback
 from dream_trainer.trainer.abstract import AbstractTrainer
 
 
-class ProgressBar(RankZeroCallback[AbstractTrainer]):
+class ProgressBarCallback(RankZeroCallback[AbstractTrainer]):
     """A tqdm progress bar over each training epoch.
 
     Shows the optimizer step, the last logged loss and learning rate, tqdm's rate, and the
@@ -86,3 +86,7 @@ class ProgressBar(RankZeroCallback[AbstractTrainer]):
 
     def on_teardown(self, status: str) -> None:
         self._close()
+
+
+ProgressBar = ProgressBarCallback
+"""`ProgressBarCallback` under dream-trainer's name (the same class)."""

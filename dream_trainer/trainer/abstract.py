@@ -100,7 +100,7 @@ class AbstractTrainer(ABC):
     @property
     def model_flops_per_token(self) -> float | None:
         """Training FLOPs (forward and backward) of one token through every model, for
-        FLOP/s and MFU (`ThroughputMonitorCallback`, `PerformanceReport`). The value set
+        FLOP/s and MFU (`ThroughputMonitorCallback`, `PerformanceReportCallback`). The value set
         (``self.model_flops_per_token = ...``, e.g. in ``configure``), else
         `estimate_model_flops_per_token()`, computed once, at the first read after the models
         are configured (the monitors read it in ``post_setup``). None: unknown (no models,

@@ -63,7 +63,7 @@ class DreamTrainer(BaseTrainer):
     @property
     def float8(self) -> dict[str, str]:
         """``{model name: recipe}`` of the models converted to float8 training (by
-        `Fp8Quantization`, before parallelization): an ``apply_tensor_parallel`` can choose
+        `Fp8QuantizationCallback`, before parallelization): an ``apply_tensor_parallel`` can choose
         torchao's float8 TP styles from it."""
         return self.build.float8
 

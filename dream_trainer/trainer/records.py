@@ -2,7 +2,7 @@
 sharded, the models converted to float8 — and the compile time measured while training. A
 component of `DreamTrainer` (``trainer.build``) with no trainer in it: the build pipeline
 and the plug-ins that change or measure the models record here through its methods, and
-readers (`CompileMonitor`, `FindGraphBreaksCallback`, `PerformanceReport`, an
+readers (`CompileMonitorCallback`, `FindGraphBreaksCallback`, `PerformanceReportCallback`, an
 ``apply_tensor_parallel`` choosing float8 styles) read it. No plug-in reads or writes
 another's fields to learn these facts.
 
@@ -38,7 +38,7 @@ class BuildRecord:
             ``{submodule path: module}`` in module order, the root (``""``) first.
         float8: ``{model name: recipe}`` of the models converted to float8 training.
         compile_time_s: per compiled region, the seconds spent compiling it so far, as
-            measured by whoever measures it (`CompileMonitor`); empty when nobody does.
+            measured by whoever measures it (`CompileMonitorCallback`); empty when nobody does.
     """
 
     def __init__(self) -> None:
@@ -76,7 +76,7 @@ class BuildRecord:
         }
 
     def record_float8(self, model: str, recipe: str) -> None:
-        """`model` trains in float8 with `recipe` (what `Fp8Quantization` converted)."""
+        """`model` trains in float8 with `recipe` (what `Fp8QuantizationCallback` converted)."""
         if not isinstance(model, str) or not isinstance(recipe, str):
             raise TypeError(f"record_float8 takes a model name and a recipe name, got {model!r}, {recipe!r}")
         self.float8[model] = recipe

@@ -44,7 +44,7 @@ class StepStats:
         data_wait_s: the part of it spent waiting for the dataloader.
         compute_s: the part inside ``training_step`` (forward, backward and the optimizer
             step it calls), host time: on CUDA it is device time only where something
-            synchronized (`PerformanceReport` does on the steps it measures).
+            synchronized (`PerformanceReportCallback` does on the steps it measures).
         optimizer_s: the part inside ``trainer.step(optimizer)``: clipping, the optimizer
             hooks, the update, ``zero_grad`` and the schedulers.
         skipped: why this step was skipped (a veto, a skipped batch), else None.

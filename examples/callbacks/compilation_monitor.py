@@ -29,7 +29,7 @@ class CompilationMonitor(Callback[DreamTrainer]):
     (a recompile in the steady state costs a compile every time it happens). A region's
     first call under validation compiles once more (no-grad is a new guard): in the demo
     that is the sanity validation, at step 0. For per-region numbers and recompile reasons
-    use the shipped ``CompileMonitor``."""
+    use the shipped ``CompileMonitorCallback``."""
 
     critical = False
 

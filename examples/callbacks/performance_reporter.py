@@ -20,7 +20,7 @@ from dream_trainer import BaseTrainer, RankZeroCallback
 class PerformanceReporter(RankZeroCallback[BaseTrainer]):
     """Keeps every step's time and data wait from ``trainer.step_stats`` and writes
     ``perf_summary.md`` in the run directory when the run ends, however it ends. (The
-    shipped ``PerformanceReport`` does more: shares of the step, throughput, findings.)"""
+    shipped ``PerformanceReportCallback`` does more: shares of the step, throughput, findings.)"""
 
     critical = False
 

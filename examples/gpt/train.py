@@ -38,7 +38,7 @@ from dream_trainer import (  # noqa: E402
     DreamTrainer,
     LoggerCallback,
     LoggingParameters,
-    ProgressBar,
+    ProgressBarCallback,
     TrainerConfig,
     TrainingParameters,
     entrypoint,
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None, callbacks: list[Callback[Any]] | None = 
         ),
         logging_parameters=LoggingParameters(log_every_n_steps=args.log_every),
         callbacks=[
-            ProgressBar(enabled=True if args.progress else None),
+            ProgressBarCallback(enabled=True if args.progress else None),
             LoggerCallback(),
             history,
             CheckpointCallback(

@@ -72,9 +72,9 @@ def _row_id(row):
 
 
 def _callbacks(fp8, health):
-    from dream_trainer.callbacks import Fp8Quantization, health_callbacks
+    from dream_trainer.callbacks import Fp8QuantizationCallback, health_callbacks
 
-    out = [Fp8Quantization()] if fp8 else []
+    out = [Fp8QuantizationCallback()] if fp8 else []
     if health:
         out += health_callbacks(dashboard=False)
     return out

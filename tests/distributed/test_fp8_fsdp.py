@@ -50,9 +50,9 @@ class Wide(ToyTrainer):
 
 
 def _run(root, device_parameters, batch_size):
-    from dream_trainer.callbacks import Fp8Quantization
+    from dream_trainer.callbacks import Fp8QuantizationCallback
 
-    fp8 = Fp8Quantization(display=False)
+    fp8 = Fp8QuantizationCallback(display=False)
     config = TrainerConfig(root_dir=str(root), run_name="r", seed=2, device_parameters=device_parameters,
                            training_parameters=TrainingParameters(n_epochs=1, num_sanity_val_steps=0), callbacks=[fp8])
     trainer = Wide(config, in_features=64, batch_size=batch_size)

@@ -1,11 +1,11 @@
-"""OptimizeFSDP on 2 gloo ranks: the traced orders are the blocks' real forward order and its
+"""OptimizeFSDPCallback on 2 gloo ranks: the traced orders are the blocks' real forward order and its
 reverse, the prefetch lists are what `prefetch` asks for, and the losses do not change."""
 
 import torch
 from torch import nn
 
 from dream_trainer import DeviceParameters, TrainerConfig, TrainingParameters
-from dream_trainer.callbacks import OptimizeFSDP
+from dream_trainer.callbacks import OptimizeFSDPCallback
 from dream_trainer.testing import ToyTrainer, spawn_world
 
 
@@ -59,7 +59,7 @@ def _prefetch_lists(trainer):
 
 
 def _run(root, prefetch):
-    callbacks = [OptimizeFSDP(prefetch=prefetch)] if prefetch else []
+    callbacks = [OptimizeFSDPCallback(prefetch=prefetch)] if prefetch else []
     config = TrainerConfig(root_dir=str(root), run_name="r", seed=1, device_parameters=DeviceParameters.FSDP(dp_shard=2),
                            training_parameters=TrainingParameters(n_epochs=1, num_sanity_val_steps=0), callbacks=callbacks)
     trainer = Blocks(config, batch_size=8)

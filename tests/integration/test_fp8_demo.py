@@ -58,12 +58,12 @@ def emulated(model):
 
 
 def test_float8_demo_tracks_the_float32_curve(tmp_path):
-    from dream_trainer.callbacks import Fp8Quantization
+    from dream_trainer.callbacks import Fp8QuantizationCallback
 
     _, fp32 = curve(tmp_path, "fp32")
     assert fp32[-1] < 0.7 * fp32[0], fp32  # it learns: a 1 % band is narrow against the curve
     for recipe in ("tensorwise", "rowwise"):
-        fp8 = Fp8Quantization(recipe)
+        fp8 = Fp8QuantizationCallback(recipe)
         trainer, losses = curve(tmp_path, recipe, callbacks=[fp8])
         # every block Linear (2 x q, k, v, o, fc1, fc2), emulated: this CPU has no float8 matmul
         assert emulated(trainer.model) == (12, True) and trainer.float8 == {"model": recipe}
@@ -72,14 +72,14 @@ def test_float8_demo_tracks_the_float32_curve(tmp_path):
 
 
 def test_float8_with_torch_compile_tracks_eager_float32(tmp_path):
-    from dream_trainer.callbacks import Fp8Quantization
+    from dream_trainer.callbacks import Fp8QuantizationCallback
 
     # One small block (one graph to compile; d_model 32: its 32x32 attention projections are
     # "tiny" and stay high precision, fc1/fc2 convert), 10 steps after 2 of warmup.
     steps, one_block = 10, ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--warmup", "2"]
     _, fp32 = curve(tmp_path, "fp32", steps, *one_block)
     assert fp32[-1] < 0.9 * fp32[0], fp32
-    fp8 = Fp8Quantization()
+    fp8 = Fp8QuantizationCallback()
     trainer, losses = curve(tmp_path, "compiled", steps, *one_block, "--compile", callbacks=[fp8])
     assert list(trainer.compiled_modules) == ["model.blocks.0"] and emulated(trainer.model) == (2, True)
     assert fp8.converted["model"] == ["blocks.0.mlp.fc1", "blocks.0.mlp.fc2"]

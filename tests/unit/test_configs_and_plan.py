@@ -49,7 +49,7 @@ def test_training_parameters_errors(kwargs, match):
         (CheckpointParameters, dict(strict="false"), r"CheckpointParameters.strict='false'"),
         (CheckpointParameters, dict(root_dir=3), r"root_dir=3 is invalid: expected a non-empty str or pathlib.Path"),
         (TrainerConfig, dict(root_dir=None), r"TrainerConfig.root_dir=None is invalid"),
-        (TrainerConfig, dict(callbacks="ProgressBar"), r"TrainerConfig.callbacks='ProgressBar' is invalid: expected a list"),
+        (TrainerConfig, dict(callbacks="ProgressBarCallback"), r"TrainerConfig.callbacks='ProgressBarCallback' is invalid: expected a list"),
     ],
 )
 def test_wrong_types_are_rejected(cls, kwargs, match):
@@ -60,10 +60,10 @@ def test_wrong_types_are_rejected(cls, kwargs, match):
 def test_paths_and_single_callbacks_are_accepted():
     from pathlib import Path
 
-    from dream_trainer import ProgressBar
+    from dream_trainer import ProgressBarCallback
 
-    config = TrainerConfig(root_dir=Path("runs") / "x", callbacks=ProgressBar())
-    assert config.root_dir == os.path.join("runs", "x") and isinstance(config.callbacks[0], ProgressBar)
+    config = TrainerConfig(root_dir=Path("runs") / "x", callbacks=ProgressBarCallback())
+    assert config.root_dir == os.path.join("runs", "x") and isinstance(config.callbacks[0], ProgressBarCallback)
     params = CheckpointParameters(root_dir=Path("/tmp/ckpt"), resume_mode=Path("/tmp/ckpt/step_000000001"))
     assert params.root_dir == "/tmp/ckpt" and params.resume_mode == "/tmp/ckpt/step_000000001"
 

@@ -362,7 +362,7 @@ def test_epoch_loss_is_a_running_mean():
 def test_shipped_callbacks_import_from_the_callbacks_package(first):
     code = (
         f"import {first}\n"
-        "from dream_trainer.callbacks import CheckpointCallback, LoggerCallback, ProgressBar\n"
+        "from dream_trainer.callbacks import CheckpointCallback, LoggerCallback, ProgressBarCallback\n"
         "import dream_trainer\n"
         "assert dream_trainer.CheckpointCallback is CheckpointCallback\n"
         "import logging; assert hasattr(logging, 'getLogger')\n"

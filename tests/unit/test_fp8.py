@@ -1,4 +1,4 @@
-"""Fp8Quantization in one process: which layers convert (default filter, the user's and the
+"""Fp8QuantizationCallback in one process: which layers convert (default filter, the user's and the
 trainer's), which hardware multiplies in float8 and what torchao is told where it does not,
 a model with nothing to convert, the summary a user sees, bad arguments, a float8 model
 through a checkpoint round trip and export."""
@@ -22,7 +22,7 @@ from dream_trainer import (
     TrainingParameters,
     export_model,
 )
-from dream_trainer.callbacks import Fp8Quantization
+from dream_trainer.callbacks import Fp8QuantizationCallback
 from dream_trainer.callbacks import fp8 as fp8_module
 from dream_trainer.callbacks.fp8 import Float8Hardware, float8_hardware
 from dream_trainer.testing import ToyTrainer
@@ -124,7 +124,7 @@ def config(callbacks, root=None, **training):
 def test_conversion_and_filters(caplog):
     from torchao.float8.float8_linear import Float8Linear
 
-    fp8 = Fp8Quantization({"model": "tensorwise"}, module_filter_fn=lambda module, fqn: fqn != "mid")
+    fp8 = Fp8QuantizationCallback({"model": "tensorwise"}, module_filter_fn=lambda module, fqn: fqn != "mid")
     with caplog.at_level(logging.INFO):
         trainer = Float8Toy(config([fp8], max_steps=3, n_epochs=None))
         trainer.fit()
@@ -145,7 +145,7 @@ def test_without_float8_matmuls_torchao_is_told_to_emulate(caplog, monkeypatch):
     warning says so. Where the hardware has them (an H100: the decision mocked, the
     machine lacks one), torchao multiplies in float8 (on a CPU: torch._scaled_mm's CPU
     kernel) and nothing warns."""
-    fp8 = Fp8Quantization("rowwise")
+    fp8 = Fp8QuantizationCallback("rowwise")
     with caplog.at_level(logging.INFO):
         trainer = Float8Toy(config([fp8], max_steps=2, n_epochs=None))
         trainer.fit()
@@ -156,12 +156,12 @@ def test_without_float8_matmuls_torchao_is_told_to_emulate(caplog, monkeypatch):
         assert layer.config.emulate and mm.output.emulate and mm.grad_input.emulate and mm.grad_weight.emulate
         assert layer.config.round_scales_to_power_of_2  # still the rowwise recipe
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warning.startswith("Fp8Quantization: this CPU has no float8 matmul, so torchao emulates it "
+    assert warning.startswith("Fp8QuantizationCallback: this CPU has no float8 matmul, so torchao emulates it "
                               "(Float8LinearConfig(emulate=True))")
 
     caplog.clear()
     monkeypatch.setattr(fp8_module, "float8_hardware", lambda device: Float8Hardware(True, "NVIDIA H100"))
-    fp8 = Fp8Quantization("rowwise")
+    fp8 = Fp8QuantizationCallback("rowwise")
     with caplog.at_level(logging.INFO):
         trainer = Float8Toy(config([fp8], max_steps=2, n_epochs=None))
         trainer.fit()
@@ -204,7 +204,7 @@ def test_other_devices_are_refused():
 
 def test_a_model_without_nn_linear_layers_converts_nothing_and_says_why(caplog):
     """GPT-2's Conv1D layers are not nn.Linear: "0 layers converted", why, no float8 claimed."""
-    fp8 = Fp8Quantization()
+    fp8 = Fp8QuantizationCallback()
     with caplog.at_level(logging.INFO):
         trainer = Gpt2Toy(config([fp8], max_steps=2, n_epochs=None))
         trainer.fit()
@@ -212,27 +212,27 @@ def test_a_model_without_nn_linear_layers_converts_nothing_and_says_why(caplog):
     why = "Conv1D, not an nn.Linear: torchao converts only nn.Linear"
     assert fp8.skipped == {"model": {"c_fc": why, "c_proj": why}}
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert warning == (f"Fp8Quantization: model: 0 layers converted to float8: it has no nn.Linear layers; "
-                       f"not converted: c_fc, c_proj ({why}). It trains in high precision, as without Fp8Quantization")
+    assert warning == (f"Fp8QuantizationCallback: model: 0 layers converted to float8: it has no nn.Linear layers; "
+                       f"not converted: c_fc, c_proj ({why}). It trains in high precision, as without Fp8QuantizationCallback")
     assert "emulate" not in caplog.text and "float8 numerics" not in caplog.text  # nothing in float8 to emulate
 
     caplog.clear()
-    fp8 = Fp8Quantization()
+    fp8 = Fp8QuantizationCallback()
     with caplog.at_level(logging.INFO):
         plain = ToyTrainer(config([fp8], max_steps=1, n_epochs=None))  # Linear(8, 16), Linear(16, 1): both skipped
         plain.fit()
     assert fp8.converted == {"model": []} and plain.float8 == {}
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert warning.startswith("Fp8Quantization: model: 0 layers converted to float8: its 2 nn.Linear layer(s) were all "
+    assert warning.startswith("Fp8QuantizationCallback: model: 0 layers converted to float8: its 2 nn.Linear layer(s) were all "
                               "skipped; not converted: 0 (dimensions 8x16 are not multiples of 16); 2 (dimensions 16x1")
 
 
 SEEN_WITHOUT_LOGGING = """
-from dream_trainer.callbacks import Fp8Quantization
+from dream_trainer.callbacks import Fp8QuantizationCallback
 from tests.unit.test_fp8 import Float8Toy, Gpt2Toy, config
 
 for trainer in (Float8Toy, Gpt2Toy):
-    trainer(config([Fp8Quantization()], max_steps=1, n_epochs=None)).fit()
+    trainer(config([Fp8QuantizationCallback()], max_steps=1, n_epochs=None)).fit()
 """
 
 
@@ -245,35 +245,35 @@ def test_the_summary_shows_without_logging_configured(tmp_path):
     run = subprocess.run([sys.executable, "-c", SEEN_WITHOUT_LOGGING], cwd=tmp_path, env=env, capture_output=True,
                          text=True, check=False)
     assert run.returncode == 0, run.stderr
-    assert ("Fp8Quantization: model: 2 of 7 nn.Linear layer(s) converted to float8 (tensorwise, float8 matmuls "
+    assert ("Fp8QuantizationCallback: model: 2 of 7 nn.Linear layer(s) converted to float8 (tensorwise, float8 matmuls "
             "emulated): stem, mid; skipped: extra (excluded by a filter); odd (dimensions 128x100") in run.stdout
     assert "this CPU has no float8 matmul, so torchao emulates it" in run.stderr
-    assert ("Fp8Quantization: model: 0 layers converted to float8: it has no nn.Linear layers; not converted: c_fc, "
+    assert ("Fp8QuantizationCallback: model: 0 layers converted to float8: it has no nn.Linear layers; not converted: c_fc, "
             "c_proj (Conv1D, not an nn.Linear") in run.stderr
 
 
 def test_disabled_and_bad_arguments(capsys):
-    fp8 = Fp8Quantization(enabled=True, display=False)  # dream-trainer's spelling; display=False: nothing printed
+    fp8 = Fp8QuantizationCallback(enabled=True, display=False)  # dream-trainer's spelling; display=False: nothing printed
     trainer = Float8Toy(config([fp8], max_steps=1, n_epochs=None))
     trainer.fit()
-    assert trainer.float8 == {"model": "tensorwise"} and "Fp8Quantization" not in capsys.readouterr().out
-    off = Float8Toy(config([Fp8Quantization(enabled=False)], max_steps=1, n_epochs=None))
+    assert trainer.float8 == {"model": "tensorwise"} and "Fp8QuantizationCallback" not in capsys.readouterr().out
+    off = Float8Toy(config([Fp8QuantizationCallback(enabled=False)], max_steps=1, n_epochs=None))
     off.fit()
     assert off.float8 == {} and type(off.model.stem) is nn.Linear
-    with pytest.raises(TypeError, match=r"Fp8Quantization\(display='no'\): expected True or False"):
-        Fp8Quantization(display="no")
+    with pytest.raises(TypeError, match=r"Fp8QuantizationCallback\(display='no'\): expected True or False"):
+        Fp8QuantizationCallback(display="no")
     with pytest.raises(ValueError, match=r"recipe 'delayed' is not one of \['tensorwise', 'rowwise', 'rowwise_with_gw_hp'\]"):
-        Fp8Quantization({"model": "delayed"})
+        Fp8QuantizationCallback({"model": "delayed"})
     with pytest.raises(TypeError, match=r"amax_history_len=.*delayed scaling was removed from torchao; use the dynamic 'tensorwise'"):
-        Fp8Quantization(amax_history_len=16, amax_compute_algo="max")
+        Fp8QuantizationCallback(amax_history_len=16, amax_compute_algo="max")
     with pytest.raises(KeyError, match=r"no model named \['encoder'\]"):
-        Float8Toy(config([Fp8Quantization({"encoder": "rowwise"})], max_steps=1, n_epochs=None)).fit()
+        Float8Toy(config([Fp8QuantizationCallback({"encoder": "rowwise"})], max_steps=1, n_epochs=None)).fit()
 
 
 def test_a_float8_model_resumes_exactly_and_exports_plain(tmp_path):
     def fit(root, max_steps):
         saver = CheckpointCallback(CheckpointParameters(root_dir=str(root), every_n_steps=4, every_n_epochs=None))
-        trainer = Float8Toy(config([Fp8Quantization(), saver], root=tmp_path / "runs", max_steps=max_steps, n_epochs=2),
+        trainer = Float8Toy(config([Fp8QuantizationCallback(), saver], root=tmp_path / "runs", max_steps=max_steps, n_epochs=2),
                             dropout=0.1)
         trainer.fit()
         return trainer, saver

@@ -1,7 +1,7 @@
 """Performance callbacks on real runs: ProfileCallback (traces that parse, tables with real
 ops, the profiler stopped after its window), FindGraphBreaksCallback (exact breaks with
-file:line, fullgraph failures, nothing patched), CompileMonitor (compiles and recompiles per
-region) and PerformanceReport (the dataloader named when it is the bottleneck)."""
+file:line, fullgraph failures, nothing patched), CompileMonitorCallback (compiles and recompiles per
+region) and PerformanceReportCallback (the dataloader named when it is the bottleneck)."""
 
 import inspect
 import json
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dream_trainer import DeviceParameters, LoggingParameters, TrainerConfig, TrainingParameters
-from dream_trainer.callbacks import CompileMonitor, FindGraphBreaksCallback, PerformanceReport, ProfileCallback
+from dream_trainer.callbacks import CompileMonitorCallback, FindGraphBreaksCallback, PerformanceReportCallback, ProfileCallback
 from dream_trainer.testing import ToyTrainer
 
 
@@ -210,7 +210,7 @@ def test_a_break_free_compiled_region_reports_zero_and_fullgraph_names_the_faili
     assert region["ok"] is False and "Unsupported" in region["error"]
 
 
-# -------------------------------------------------------------------- CompileMonitor
+# -------------------------------------------------------------------- CompileMonitorCallback
 class Block(nn.Module):
     def __init__(self, n_in, n_out):
         super().__init__()
@@ -237,10 +237,10 @@ class Ragged(ToyTrainer):
 
 
 def test_compile_monitor_counts_compiles_and_recompiles_per_region(caplog, tmp_path):
-    monitor = CompileMonitor(warn_after=2)
+    monitor = CompileMonitorCallback(warn_after=2)
     torch._logging.set_logs(recompiles=True)
     try:
-        trainer = Ragged(config([monitor, PerformanceReport(output_dir=tmp_path, warmup_steps=0)], compile_model=True,
+        trainer = Ragged(config([monitor, PerformanceReportCallback(output_dir=tmp_path, warmup_steps=0)], compile_model=True,
                                 log_every=4))
         trainer.fit()
     finally:
@@ -259,7 +259,7 @@ def test_compile_monitor_counts_compiles_and_recompiles_per_region(caplog, tmp_p
     assert report["compile_time_s"] == pytest.approx(summary["time_s"]) and summary["time_s"] > 0
 
 
-# -------------------------------------------------------------------- PerformanceReport
+# -------------------------------------------------------------------- PerformanceReportCallback
 class Loaders(ToyTrainer):
     """Pre-made batches (a fast loader), or each batch late by 20 ms or three times the
     last step's compute, whichever is longer (a slow one, also on a busy machine)."""
@@ -290,7 +290,7 @@ class Loaders(ToyTrainer):
 
 @pytest.mark.parametrize("slow", [True, False])
 def test_performance_report_names_the_dataloader_only_when_it_is_slow(tmp_path, slow):
-    report = PerformanceReport(output_dir=tmp_path)
+    report = PerformanceReportCallback(output_dir=tmp_path)
     Loaders(config([report]), slow).fit()
     written = json.loads((tmp_path / "performance_report.json").read_text())
     assert written == report.report and (tmp_path / "performance_report.md").read_text().startswith("# Performance report")

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dream_trainer import BaseTrainer, Callback, DistributedWorld, LoggingParameters, TrainerConfig, TrainingParameters
-from dream_trainer.callbacks import PerformanceReport
+from dream_trainer.callbacks import PerformanceReportCallback
 from dream_trainer.callbacks.monitors import MemoryMonitorCallback, ThroughputMonitorCallback
 from dream_trainer.testing import ToyTrainer
 from dream_trainer.trainer.model_facts import dense_flops_per_token
@@ -203,7 +203,7 @@ def test_flops_set_by_the_user_or_estimated_by_an_override():
 
 def test_flops_per_sample_give_flops_and_mfu_where_batches_have_no_tokens(tmp_path):
     monitor = ThroughputMonitorCallback(log_interval=4, peak_flops=1e12)
-    report = PerformanceReport(output_dir=tmp_path, peak_flops=1e12)
+    report = PerformanceReportCallback(output_dir=tmp_path, peak_flops=1e12)
     trainer = SetFlops(config([monitor, report], n_epochs=2), with_validation=False)
     trainer.fit()
     m = trainer.logged_metrics
@@ -219,13 +219,13 @@ def test_flops_per_sample_give_flops_and_mfu_where_batches_have_no_tokens(tmp_pa
 
 
 def test_the_performance_report_gives_model_flops_of_a_token_model(tmp_path):
-    report = PerformanceReport(output_dir=tmp_path)
+    report = PerformanceReportCallback(output_dir=tmp_path)
     TinyLM(config([report])).fit()
     flops, throughput = report.report["flops"], report.report["throughput"]
     assert flops["model_flops_per_token"] == LM_FLOPS and flops["mfu"] is None  # no peak known for a CPU
     assert flops["tflops_per_device"] == pytest.approx(throughput["tokens_per_s"] * LM_FLOPS / 1e12)
-    with pytest.raises(ValueError, match=r"PerformanceReport\(peak_flops=0\) is invalid"):
-        PerformanceReport(peak_flops=0)
+    with pytest.raises(ValueError, match=r"PerformanceReportCallback\(peak_flops=0\) is invalid"):
+        PerformanceReportCallback(peak_flops=0)
 
 
 # -------------------------------------------------------------------- memory status
@@ -321,7 +321,7 @@ def test_the_performance_report_gives_the_peak_of_the_training_not_of_the_setup(
     block = torch.ones(256 * MB // 4)  # a peak before fit(): not the training's
     del block
     setup_peak = world.memory_status().peak_rss
-    report = PerformanceReport(output_dir=tmp_path)
+    report = PerformanceReportCallback(output_dir=tmp_path)
     ToyTrainer(config([report]), with_validation=False).fit()
     assert report.report["memory_kind"] == "process RSS"
     assert 50 < report.report["peak_memory_mb"] < setup_peak / MB - 200

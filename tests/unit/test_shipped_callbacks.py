@@ -1,4 +1,4 @@
-"""ProgressBar and LoggerCallback on real runs; SIGTERM goes through on_interrupt."""
+"""ProgressBarCallback and LoggerCallback on real runs; SIGTERM goes through on_interrupt."""
 
 import io
 import json
@@ -9,13 +9,13 @@ import signal
 import pytest
 import torch.distributed as dist
 
-from dream_trainer import EXIT_PREEMPTED, Callback, LoggerCallback, ProgressBar, TrainingInterrupted
+from dream_trainer import EXIT_PREEMPTED, Callback, LoggerCallback, ProgressBarCallback, TrainingInterrupted
 from tests.unit.test_trainer_loop import make
 
 
 def test_progress_bar_shows_step_loss_lr_and_estimates_iterable_epochs():
     out = io.StringIO()
-    trainer = make([ProgressBar(enabled=True, file=out)], trainer_kwargs=dict(iterable=True, n_samples=64, batch_size=8),
+    trainer = make([ProgressBarCallback(enabled=True, file=out)], trainer_kwargs=dict(iterable=True, n_samples=64, batch_size=8),
                    n_epochs=2, log_every_n_steps=2)
     trainer.fit()
     text = out.getvalue()
@@ -26,7 +26,7 @@ def test_progress_bar_shows_step_loss_lr_and_estimates_iterable_epochs():
 
 def test_progress_bar_is_quiet_when_not_a_tty():
     out = io.StringIO()  # not a terminal
-    make([ProgressBar(file=out)]).fit()
+    make([ProgressBarCallback(file=out)]).fit()
     assert out.getvalue() == ""
 
 
@@ -80,3 +80,23 @@ def test_sigterm_stops_at_the_step_boundary_and_a_second_signal_aborts():
     with pytest.raises(TrainingInterrupted, match="again"):
         make([Terminate(times=2, gap=SIGNAL_REPEAT_WINDOW_S + 0.1)]).fit()
     assert seen == [(2, "failed")] and not dist.is_initialized()
+
+
+def test_shipped_callbacks_follow_one_naming_rule_and_keep_dream_trainers_names():
+    """Every shipped callback's class is named ``<what it does>Callback``; the other names
+    exported are dream-trainer's (and this project's former ones) for the same classes."""
+    import dream_trainer.callbacks as shipped
+    from dream_trainer.protocol import Callback, RankZeroCallback
+
+    exported = {name: getattr(shipped, name) for name in shipped.__all__}
+    classes = {name: obj for name, obj in exported.items()
+               if isinstance(obj, type) and issubclass(obj, Callback) and obj not in (Callback, RankZeroCallback)}
+    assert len({id(c) for c in classes.values()}) >= 16  # not vacuous: every shipped callback is exported
+    assert sorted(c.__name__ for c in classes.values() if not c.__name__.endswith("Callback")) == []
+    aliases = {name: c.__name__ for name, c in classes.items() if name != c.__name__}
+    assert aliases == {"CompileMonitor": "CompileMonitorCallback", "Fp8Quantization": "Fp8QuantizationCallback",
+                       "OptimizeFSDP": "OptimizeFSDPCallback", "PerformanceReport": "PerformanceReportCallback",
+                       "ProgressBar": "ProgressBarCallback"}
+    for name in ("OptimizeFSDP", "FindGraphBreaksCallback", "ProgressBar", "Fp8Quantization", "ProfileCallback",
+                 "LoggerCallback", "CheckpointCallback", "FaultToleranceCallback"):  # dream-trainer's names
+        assert name in exported
