@@ -6,18 +6,23 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from dream_trainer.protocol.base import Callback
-from dream_trainer.trainer.abstract import AbstractTrainer
+from dream_trainer.protocol.trainers import Accumulates, Counters, InWorld, Logs, Models, RunDirectory, Stops
 
 logger = logging.getLogger(__name__)
 
 
-class FindGraphBreaksCallback(Callback[AbstractTrainer]):
+@runtime_checkable
+class GraphBreakTrainer(Accumulates, Counters, InWorld, Logs, Models, RunDirectory, Stops, Protocol):
+    """What `FindGraphBreaksCallback` needs of a trainer (any trainer with these pieces)."""
+
+
+class FindGraphBreaksCallback(Callback[GraphBreakTrainer]):
     """Find the graph breaks of every compiled region, with the inputs a real step gives it.
 
     After `skip` optimizer steps, the next training step records the inputs of each region:
@@ -90,9 +95,9 @@ class FindGraphBreaksCallback(Callback[AbstractTrainer]):
         self._write()
         counts = {f"graph_breaks/{n}": r.get("breaks", int(not r.get("ok", True))) for n, r in self.report["regions"].items() if r["ran"]}
         if counts:
-            self.trainer.log_dict(counts)  # type: ignore[attr-defined]
+            self.trainer.log_dict(counts)
         if self.stop:
-            self.trainer.request_stop(f"graph breaks reported in {self.log_file}")  # type: ignore[attr-defined]
+            self.trainer.request_stop(f"graph breaks reported in {self.log_file}")
 
     # ------------------------------------------------------------------ analyses
     def _explain(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -9,17 +9,22 @@ import numbers
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol, runtime_checkable
 
 import torch
 
 from dream_trainer.protocol.base import RankZeroCallback
-from dream_trainer.trainer.abstract import AbstractTrainer
+from dream_trainer.protocol.trainers import Counters, Logs, RunDirectory
 
 logger = logging.getLogger(__name__)
 
 
-class LoggerCallback(RankZeroCallback[AbstractTrainer]):
+@runtime_checkable
+class LoggedTrainer(Counters, Logs, RunDirectory, Protocol):
+    """What `LoggerCallback` needs of a trainer (any trainer with these pieces)."""
+
+
+class LoggerCallback(RankZeroCallback[LoggedTrainer]):
     """Write metrics under the run directory (rank zero only).
 
     - TensorBoard event files in ``<run_dir>/<subdir>/`` (read them with ``tensorboard

@@ -6,17 +6,22 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from dream_trainer.protocol.base import Callback
-from dream_trainer.trainer.abstract import AbstractTrainer
+from dream_trainer.protocol.trainers import Accumulates, Counters, InWorld, RunDirectory, Stops
 
 logger = logging.getLogger(__name__)
 
 
-class ProfileCallback(Callback[AbstractTrainer]):
+@runtime_checkable
+class ProfiledTrainer(Accumulates, Counters, InWorld, RunDirectory, Stops, Protocol):
+    """What `ProfileCallback` needs of a trainer (any trainer with these pieces)."""
+
+
+class ProfileCallback(Callback[ProfiledTrainer]):
     """Profile a window of optimizer steps, export what was recorded, stop the profiler.
 
     The profiler starts at the first training step and is stepped once per optimizer step
@@ -109,7 +114,7 @@ class ProfileCallback(Callback[AbstractTrainer]):
             self._stop()
             logger.info("profiling done after %d steps: %d file(s) in %s", self._steps, len(self.exported), self.output_dir)
             if self.stop_training:
-                self.trainer.request_stop("profiling finished")  # type: ignore[attr-defined]
+                self.trainer.request_stop("profiling finished")
 
     def on_teardown(self, status: str) -> None:
         self._stop()

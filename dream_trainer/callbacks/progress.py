@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import sys
-from typing import IO, Any
+from typing import IO, Any, Protocol, runtime_checkable
 
 from dream_trainer.protocol.base import RankZeroCallback
-from dream_trainer.trainer.abstract import AbstractTrainer
+from dream_trainer.protocol.trainers import Counters, Displays
 
 
-class ProgressBarCallback(RankZeroCallback[AbstractTrainer]):
+@runtime_checkable
+class ProgressTrainer(Counters, Displays, Protocol):
+    """What `ProgressBarCallback` needs of a trainer (any trainer with these pieces)."""
+
+
+class ProgressBarCallback(RankZeroCallback[ProgressTrainer]):
     """A tqdm progress bar over each training epoch.
 
     Shows the optimizer step, the last logged loss and learning rate, tqdm's rate, and the

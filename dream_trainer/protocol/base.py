@@ -99,9 +99,10 @@ class Callback(Generic[TrainerT]):
     """Base class of every callback. Parametrize it with what the callback needs.
 
     ``class MyCallback(Callback[DreamTrainer])`` declares that the callback needs a
-    `DreamTrainer` (or a subclass, a mixin, or a ``runtime_checkable`` Protocol);
-    `CallbackCollection.initialize` checks it with ``isinstance`` and fails with a clear
-    message otherwise.
+    `DreamTrainer` (or a subclass, a mixin, or a ``runtime_checkable`` Protocol, e.g. one
+    composed of the pieces in `dream_trainer.protocol.trainers`);
+    `CallbackCollection.initialize` checks it (``isinstance``; a Protocol member by member)
+    and fails with a clear message otherwise.
 
     Attributes:
         critical: when False, an exception raised by a hook is logged (with traceback,

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Callable
 
+from typing_extensions import get_protocol_members
+
 from dream_trainer.protocol.base import CONTEXT_HOOKS, HOOKS, Callback, RankZeroCallback, SkipBatch, StopTraining
 from dream_trainer.protocol.dispatch import DispatchMixin
 
@@ -175,7 +177,7 @@ class CallbackCollection(DispatchMixin):
         if required is not None and not _satisfies(self._trainer, required):
             raise CallbackDependencyError(
                 f"callback {name!r} ({type(callback).__name__}) needs a trainer that is "
-                f"{_describe(required)}, but got {type(self._trainer).__name__} "
+                f"{_describe(required, self._trainer)}, but got {type(self._trainer).__name__} "
                 f"(bases: {', '.join(k.__name__ for k in type(self._trainer).__mro__[1:-1])})"
             )
         callback.trainer = self._trainer
@@ -356,6 +358,8 @@ def _satisfies(trainer: Any, required: Any) -> bool:
     args = typing.get_args(required)
     if args and typing.get_origin(required) in (typing.Union, types.UnionType):
         return any(_satisfies(trainer, arg) for arg in args)
+    if _is_runtime_protocol(required):
+        return not _missing_members(trainer, required)
     try:
         return isinstance(trainer, required)
     except TypeError as exc:  # a non-runtime-checkable Protocol, a subscripted generic...
@@ -365,8 +369,23 @@ def _satisfies(trainer: Any, required: Any) -> bool:
         ) from exc
 
 
-def _describe(required: Any) -> str:
+def _is_runtime_protocol(required: Any) -> bool:
+    return bool(getattr(required, "_is_protocol", False) and getattr(required, "_is_runtime_protocol", False))
+
+
+def _missing_members(trainer: Any, protocol: Any) -> list[str]:
+    """The members of `protocol` that `trainer` neither has nor declares. A member the
+    trainer's class declares (an annotation, like `AbstractTrainer`'s ``run_dir: Path``) is an
+    attribute set later in the lifecycle (``run_dir`` and ``world`` at launch): the check runs
+    before ``pre_launch``, so a declaration counts."""
+    declared = {name for klass in type(trainer).__mro__ for name in getattr(klass, "__annotations__", {})}
+    return sorted(m for m in get_protocol_members(protocol) if m not in declared and not hasattr(trainer, m))
+
+
+def _describe(required: Any, trainer: Any = None) -> str:
     name = getattr(required, "__name__", None) or repr(required)
+    if _is_runtime_protocol(required) and trainer is not None:
+        return f"an implementation of the protocol {name} (missing: {', '.join(_missing_members(trainer, required))})"
     if getattr(required, "_is_protocol", False):
         return f"an implementation of the protocol {name}"
     return f"a {name}"

@@ -1,6 +1,7 @@
 """CallbackCollection: dispatch, dependencies, naming, mutation during dispatch, state, errors."""
 
 import logging
+import types
 from typing import Protocol, runtime_checkable
 
 import pytest
@@ -242,3 +243,36 @@ def test_a_hook_with_the_wrong_signature_fails_when_added():
     with pytest.raises(TypeError, match=r"OldStyle.on_interrupt\(self\) does not take the hook's arguments: expected on_interrupt\(self, error"):
         CallbackCollection([OldStyle()])
     assert "Fine" in CallbackCollection([Fine()])
+
+
+def test_generic_callbacks_need_small_trainer_protocols_not_a_trainer_class(tmp_path):
+    """The generic shipped callbacks declare the protocol pieces they use: any object with
+    those members is accepted (not only an `AbstractTrainer`); a member the trainer's class
+    declares, set later in the lifecycle (``run_dir`` at launch), counts; the error names
+    what is missing."""
+    from pathlib import Path
+
+    from dream_trainer.callbacks import LoggerCallback, ProfileCallback, ProgressBarCallback
+    from dream_trainer.callbacks.profile import ProfiledTrainer
+
+    class Minimal:  # no trainer class at all
+        run_dir: Path  # declared: set at launch
+        global_step, current_epoch, is_accumulating_gradients = 0, 0, False
+        logged_metrics, display_fields = {}, {}
+        world = types.SimpleNamespace(rank=0, device="cpu")
+
+        def log_dict(self, metrics):
+            pass
+
+    assert not hasattr(Minimal(), "run_dir")
+    with pytest.raises(CallbackDependencyError, match=r"protocol ProfiledTrainer \(missing: request_stop\)"):
+        CallbackCollection([ProfileCallback()]).initialize(Minimal(), global_rank=0)
+
+    class WithStop(Minimal):
+        def request_stop(self, reason="stop requested"):
+            pass
+
+    CallbackCollection([ProfileCallback(), LoggerCallback(), ProgressBarCallback()]).initialize(WithStop(), global_rank=0)
+    assert ProfiledTrainer.__module__ == "dream_trainer.callbacks.profile"
+    for callback in (ProfileCallback, LoggerCallback, ProgressBarCallback):
+        assert getattr(callback.trainer_requirement(), "_is_protocol", False), callback
