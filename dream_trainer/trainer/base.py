@@ -29,6 +29,7 @@ from dream_trainer.trainer.data_position import DataPosition
 from dream_trainer.trainer.state import StateMixin
 from dream_trainer.trainer.stepping import StepMixin
 from dream_trainer.trainer.step_path import StepPath
+from dream_trainer.trainer.telemetry import RunningMean
 from dream_trainer.utils import detach_result, seed_everything, to_device
 from dream_trainer.world.world import DistributedWorld
 
@@ -304,8 +305,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         for model in self.named_models().values():
             model.train()
         set_epoch(self.train_dataloader, self.current_epoch)
-        loss_sum: torch.Tensor | None = None  # a running sum on the device: no per-step list
-        n_losses = 0
+        losses = RunningMean()  # on the device, one add per 256 steps
         start = batch_idx = self.local_batches - 1  # > -1 when resuming mid-epoch
         path, position = self.step_path, self.data_position
         path.fetch_start = path.step_end = time.perf_counter()  # the first wait includes making the iterator
@@ -318,8 +318,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
                 batch_idx = self.local_batches
                 loss, done = self._train_on(batch, batch_idx, is_last)
                 if loss is not None:
-                    loss_sum = loss if loss_sum is None else loss_sum + loss
-                    n_losses += 1
+                    losses.add(loss)
                 if done:
                     break
                 path.fetch_start = time.perf_counter()
@@ -337,8 +336,8 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
             )
         position.last_epoch_batches = batch_idx + 1
         result: dict[str, Any] = {"batches": batch_idx + 1}
-        if loss_sum is not None:
-            result["loss"] = loss_sum / n_losses
+        if losses.count:
+            result["loss"] = losses.mean()
         return result
 
     def _train_on(self, batch: Any, batch_idx: int, is_last: bool) -> tuple[torch.Tensor | None, bool]:
@@ -366,7 +365,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
             cb.post_train_step(result, batch_idx)
             value = result.get("loss")
             if isinstance(value, torch.Tensor) and value.ndim == 0:
-                loss = value.float()
+                loss = value if value.dtype == torch.float32 else value.float()
         if not accumulating:
             cb.on_step_end(step)
         if log:

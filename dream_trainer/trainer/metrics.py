@@ -46,7 +46,8 @@ class MetricsMixin(AbstractTrainer):
         callback's own interval (only what was logged is sent); 0: not a log step."""
         if step % self.logging_parameters.log_every_n_steps == 0:  # type: ignore[attr-defined]
             return 2
-        return 1 if any(step % interval == 0 for interval in self.callbacks.log_intervals) else 0
+        intervals = self.callbacks.log_intervals
+        return 1 if intervals and any(step % interval == 0 for interval in intervals) else 0
 
     def log_dict(self, metrics: dict[str, Any]) -> None:
         """Record metrics and send them to every callback's `on_log`, from any hook.

@@ -117,6 +117,34 @@ class StepStats:
             self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
 
 
+class RunningMean:
+    """The mean of scalar device tensors without a device operation per value: values wait
+    in a list, folded into the running sum every `fold` values (one stack and sum), so a
+    step costs a list append and an epoch's memory stays bounded."""
+
+    def __init__(self, fold: int = 256):
+        self.fold, self.count = fold, 0
+        self._pending: list[torch.Tensor] = []
+        self._sum: torch.Tensor | None = None
+
+    def add(self, value: torch.Tensor) -> None:
+        self._pending.append(value)
+        self.count += 1
+        if len(self._pending) >= self.fold:
+            self._fold()
+
+    def _fold(self) -> None:
+        if self._pending:
+            folded = torch.stack(self._pending).sum()
+            self._sum = folded if self._sum is None else self._sum + folded
+            self._pending = []
+
+    def mean(self) -> torch.Tensor | None:
+        """The mean so far (a device tensor; None before any value)."""
+        self._fold()
+        return None if self._sum is None else self._sum / self.count
+
+
 def count_batch(batch: Any) -> tuple[int, int | None]:
     """The default of ``trainer.count_batch``: samples = the first dimension of the batch's
     first tensor; tokens = its first two dimensions' product when that tensor holds integer

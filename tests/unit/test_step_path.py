@@ -98,3 +98,15 @@ def test_state_dict_round_trips_the_counters_and_an_old_checkpoint_reads_as_zero
     assert other.state_dict() == state
     other.load_state_dict({"global_step": 5})  # written before these counters existed
     assert other.state_dict() == {"skipped_steps": 0, "skipped_batches": 0}
+
+
+def test_running_mean_folds_without_a_device_op_per_value():
+    from dream_trainer.trainer.telemetry import RunningMean
+
+    values = [torch.tensor(float(i)) for i in range(1, 12)]
+    mean = RunningMean(fold=4)
+    assert mean.mean() is None and mean.count == 0
+    for v in values:
+        mean.add(v)
+    assert mean.count == 11 and len(mean._pending) == 3  # two folds of 4, three waiting
+    assert torch.equal(mean.mean(), torch.tensor(6.0)) and mean._pending == []
