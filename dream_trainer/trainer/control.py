@@ -164,8 +164,6 @@ class ControlPlane:
     def decide(self, world: _World, callbacks: _Disabler, blocking: bool = True) -> None:
         """Act on what the ranks agreed: disable failing callbacks, then raise
         `TrainingInterrupted` (a signal) or `StopTraining` (a stop request)."""
-        if world.world_size == 1 and self.signal is None and self.stop_request is None and not self.disable_requests:
-            return  # one rank, nothing requested: the common step, at no cost
         flags = self.agreed_flags(world, blocking)
         if not any(flags):
             return
