@@ -35,7 +35,7 @@ def numpy_state_as_data(state: tuple[Any, ...]) -> tuple[Any, ...]:
     """numpy's legacy RNG state ``(name, key array, pos, has_gauss, gauss)`` with the key as
     a tuple of ints: what a restricted load accepts (`set_rng_state` reads it back)."""
     name, key, pos, has_gauss, gauss = state
-    return (str(name), tuple(int(x) for x in key), int(pos), int(has_gauss), float(gauss))
+    return (str(name), tuple(key.tolist()), int(pos), int(has_gauss), float(gauss))
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

@@ -343,29 +343,23 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
     def _train_on(self, batch: Any, batch_idx: int, is_last: bool) -> tuple[torch.Tensor | None, bool]:
         """One (micro-)batch: its step and hooks, its log, and at the end of an optimizer
         step validation and the control point. ``(its scalar loss or None, max_steps reached)``."""
-        training, cb, log_ = self.training_parameters, self.callbacks, self.metric_log
+        training, cb, log_ = self.config.training_parameters, self.callbacks, self.metric_log
+        step, max_steps = self.global_step + 1, training.max_steps
         self.local_batches = batch_idx + 1
         accumulating = not is_last and (batch_idx + 1) % training.gradient_accumulation_steps != 0
         self.is_accumulating_gradients = accumulating
-        self.is_last_batch = is_last or (
-            not accumulating and training.max_steps is not None and self.global_step + 1 >= training.max_steps
-        )
-        log_.gate = not accumulating and self._log_step_kind(self.global_step + 1) > 0
-        self._batch_arrived(batch)
+        self.is_last_batch = is_last or (not accumulating and max_steps is not None and step >= max_steps)
+        kind = 0 if accumulating else self._log_step_kind(step)
+        log_.gate = kind > 0
+        self._batch_arrived(batch, step)
         if self.world.device.type != "cpu":
             batch = to_device(batch, self.world.device)
-        step = self.global_step + 1
-        skipped, result = self._train_batch(batch, batch_idx, accumulating)
-        if not accumulating:
-            self._end_step()
-        log = log_.gate and not self.step_skipped
-        own = self._own_step_metrics(result) if log and not skipped else {}
-        loss = None
+        skipped, result, loss = self._train_batch(batch, batch_idx, accumulating)
+        step_skipped = not accumulating and self._end_step()
+        log = kind > 0 and not step_skipped
+        own = self._own_step_metrics(result) if kind == 2 and log and not skipped else {}
         if not skipped:
             cb.post_train_step(result, batch_idx)
-            value = result.get("loss")
-            if isinstance(value, torch.Tensor) and value.ndim == 0:
-                loss = value if value.dtype == torch.float32 else value.float()
         if not accumulating:
             cb.on_step_end(step)
         if log:
@@ -373,12 +367,12 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         log_.gate = None
         if accumulating:
             return loss, False
-        validated = self.validation_due
+        validated = training.val_every_n_steps is not None and self.validation_due
         if validated:
             self._validate()
             self.step_path.step_end = time.perf_counter()  # a step's time leaves validation out
         self._control_point(blocking=validated)
-        return loss, training.max_steps is not None and self.global_step >= training.max_steps
+        return loss, max_steps is not None and self.global_step >= max_steps
 
     @property
     def validation_due(self) -> bool:

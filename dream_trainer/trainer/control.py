@@ -164,7 +164,7 @@ class ControlPlane:
     def decide(self, world: _World, callbacks: _Disabler, blocking: bool = True) -> None:
         """Act on what the ranks agreed: disable failing callbacks, then raise
         `TrainingInterrupted` (a signal) or `StopTraining` (a stop request)."""
-        flags = self.agreed_flags(world, blocking)
+        flags = self.local_flags() if world.world_size == 1 else self.agreed_flags(world, blocking)
         if not any(flags):
             return
         if flags[_DISABLE]:

@@ -77,9 +77,8 @@ class MetricsMixin(AbstractTrainer):
     def _own_step_metrics(self, result: dict[str, Any]) -> dict[str, Any]:
         """What the trainer logs by itself on its log steps (made before `post_train_step`,
         so ``step_stats.world_*`` are current there): the step's scalar results averaged
-        over ranks, the learning rate the step used and the gradient norms."""
-        if self._log_step_kind(self.global_step) != 2:
-            return {}
+        over ranks, the learning rate the step used and the gradient norms. Called on the
+        trainer's own log steps (`_log_step_kind` 2)."""
         stats, world = self.step_stats, self.world
         scalars = {f"train/{k}": v for k, v in result.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
         if world.dp_size > 1:  # one all-reduce: the metrics' means and the samples/tokens totals

@@ -125,27 +125,34 @@ class StepPath:
         self._routes.clear()
 
     # ------------------------------------------------------------------ the cycle
-    def begin(self) -> bool:
-        """A micro-batch arrived: open a step unless one is open. True when it opened one
-        (its per-step telemetry reset)."""
-        if self.open:
-            return False
-        self.stats.begin()
-        self.open, self.stepped = True, False
-        return True
+    def arrive(self, now: float, samples: int, tokens: int | None) -> bool:
+        """A micro-batch of `samples` (`tokens`) arrived at `now`: open a step unless one is
+        open, then add its data wait (since `fetch_start`) and its counts. True when it
+        opened a step (its per-step telemetry reset first)."""
+        stats, opened = self.stats, not self.open
+        if opened:
+            stats.begin()
+            self.open, self.stepped = True, False
+        stats.data_wait_s += now - self.fetch_start
+        stats.count(samples, tokens)
+        return opened
 
     @property
     def skipped(self) -> bool:
         """The step that just ended was skipped (a veto or a skipped batch)."""
         return self.stats.skipped is not None and not self.stepped
 
-    def end(self, step: int, now: float) -> None:
-        """The step ended at global step `step` (unchanged when it was skipped)."""
-        if self.skipped:
-            self.skipped_steps += 1
+    def end(self, step: int, now: float) -> bool:
+        """The open step, global step `step` when applied, ended at `now`. Whether it was
+        skipped (then the global step stays `step` - 1)."""
         stats = self.stats
+        skipped = stats.skipped is not None and not self.stepped
+        if skipped:
+            self.skipped_steps += 1
+            step -= 1
         stats.step, stats.step_time_s, self.step_end = step, now - self.step_end, now
         self.open = False
+        return skipped
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, int]:

@@ -78,7 +78,7 @@ class StepMixin(AbstractTrainer):
                 raise _PeerStepFailed()
         if path.backward_loss_wanted:  # a monitor decides on this step's loss before its update
             path.stats.add_backward(loss)
-        accumulation = self.training_parameters.gradient_accumulation_steps  # type: ignore[attr-defined]
+        accumulation = self.config.training_parameters.gradient_accumulation_steps
         if accumulation > 1:
             loss = loss / accumulation
         loss.backward(**kwargs)
@@ -91,57 +91,43 @@ class StepMixin(AbstractTrainer):
         if self.is_accumulating_gradients:
             return None
         started = time.perf_counter()
+        path, world, cb = self.step_path, self.world, self.callbacks
+        stats = path.stats
         try:
-            return self._step(optimizer, model)
+            route = path.route(optimizer, self._route)
+            name, model = route.name, model if model is not None else route.model
+            world.sync_gradients(route.params)  # a no-op but across replica groups (torchft)
+            norm = None
+            clip = self.config.training_parameters.gradient_clip_val
+            if clip is not None:
+                norm = stats.grad_norm[name] = world.clip_grad_norm_(route.params, clip)
+                stats.clipped[name] = norm > clip  # a device bool: no sync
+            elif path.grad_norm_wanted or (self.metric_log.gate and self.config.logging_parameters.log_grad_norm):
+                norm = stats.grad_norm[name] = world.total_gradient_norm(route.params)
+            vetoes = cb.pre_optimizer_step(model, optimizer)  # type: ignore[arg-type]
+            # What optimizer.step() sees: read after pre_optimizer_step (a warm-up may set
+            # it there); schedulers step after.
+            stats.lr[name] = optimizer.param_groups[0]["lr"]
+            reason = world.agree_on_step(self._agreed_skip(vetoes))  # a fault-tolerant world: the quorum's commit
+            if reason is None:
+                optimizer.step()
+                path.stepped = True
+                cb.post_optimizer_step(model, optimizer)  # type: ignore[arg-type]
+            else:
+                stats.skipped = reason
+            self._drop_gradients(model, optimizer)
+            if reason is None:
+                for scheduler in route.schedulers:
+                    scheduler.step()
+            return norm
         finally:
-            self.step_path.stats.optimizer_s += time.perf_counter() - started
+            stats.optimizer_s += time.perf_counter() - started
 
     def _route(self, optimizer: Optimizer) -> OptimizerRoute:
         """`optimizer`'s route (its parameters, model, name and schedulers), made once."""
         schedulers = [s for s in self.named_schedulers().values() if s.optimizer is optimizer and not _needs_metric(s)]
         return OptimizerRoute(name=self._optimizer_name(optimizer), model=self.model_for(optimizer), schedulers=schedulers,
                               params=[p for g in optimizer.param_groups for p in g["params"]])
-
-    def _step(self, optimizer: Optimizer, model: nn.Module | None) -> torch.Tensor | None:
-        path = self.step_path
-        route = path.route(optimizer, self._route)
-        model = model if model is not None else route.model
-        name, stats, world, params = route.name, path.stats, self.world, route.params
-        world.sync_gradients(params)  # a no-op but across replica groups (torchft)
-        clip = self.training_parameters.gradient_clip_val  # type: ignore[attr-defined]
-        norm = None
-        if clip is not None:
-            norm = world.clip_grad_norm_(params, clip)
-            stats.clipped[name] = norm > clip  # a device bool: no sync
-        elif path.grad_norm_wanted or (self.metric_log.gate and self.logging_parameters.log_grad_norm):  # type: ignore[attr-defined]
-            norm = world.total_gradient_norm(params)
-        if norm is not None:
-            stats.grad_norm[name] = norm
-        cb = self.callbacks
-        vetoes = cb.pre_optimizer_step(model, optimizer)  # type: ignore[arg-type]
-        # What optimizer.step() sees: read after pre_optimizer_step (a warm-up may set it
-        # there); schedulers step after.
-        stats.lr[name] = optimizer.param_groups[0]["lr"]
-        if vetoes:
-            undeclared = [v for v in vetoes if not cb[v].vetoes_steps]
-            if undeclared:
-                raise RuntimeError(
-                    f"callback(s) {undeclared} returned False from pre_optimizer_step (a veto) but do not declare "
-                    "vetoes_steps = True (the ranks agree on vetoed steps only then)"
-                )
-            self.skip_step(f"vetoed by {', '.join(vetoes)}")
-        reason = world.agree_on_step(self._agreed_skip())  # a fault-tolerant world: the quorum's commit
-        if reason is not None:
-            stats.skipped = reason
-            self._drop_gradients(model, optimizer)
-            return norm
-        optimizer.step()
-        path.stepped = True
-        cb.post_optimizer_step(model, optimizer)  # type: ignore[arg-type]
-        self._drop_gradients(model, optimizer)
-        for scheduler in route.schedulers:
-            scheduler.step()
-        return norm
 
     def skip_step(self, reason: str = "skipped") -> None:
         """Skip the coming optimizer step, on every rank (call it in ``training_step`` or
@@ -202,37 +188,46 @@ class StepMixin(AbstractTrainer):
         return self.step_path.skipped
 
     # ------------------------------------------------------------------ the loop's side
-    def _batch_arrived(self, batch: Any) -> None:
-        """Telemetry of a new micro-batch (before it moves to the device): the data wait
-        since the previous batch was done, and its samples/tokens."""
-        path, now = self.step_path, time.perf_counter()
-        if path.begin():
-            self.callbacks.on_step_begin(self.global_step + 1)
-        path.stats.data_wait_s += now - path.fetch_start
-        path.stats.count(*self.count_batch(batch))
+    def _batch_arrived(self, batch: Any, step: int) -> None:
+        """Telemetry of a new micro-batch of optimizer step `step` (before it moves to the
+        device): the data wait since the previous batch was done, its samples/tokens; the
+        step's `on_step_begin` when the batch opens it."""
+        if self.step_path.arrive(time.perf_counter(), *self.count_batch(batch)):
+            self.callbacks.on_step_begin(step)
 
-    def _train_batch(self, batch: Any, batch_idx: int, accumulating: bool) -> tuple[bool, dict[str, Any]]:
+    def _train_batch(self, batch: Any, batch_idx: int, accumulating: bool) -> tuple[bool, dict[str, Any], torch.Tensor | None]:
         """`pre_train_step` (which may replace the batch), the agreed batch skip and
-        ``training_step``: ``(skipped, result)``. A step whose failure the callbacks recover
-        (`on_train_step_error`) is retried from `pre_train_step`, on the original batch."""
-        cb = self.callbacks
-        rng = rng_state() if cb.recovers_errors else None  # a retry draws what the failed attempt drew
+        ``training_step``: ``(skipped, result, its scalar loss or None)``. A step whose
+        failure the callbacks recover (`on_train_step_error`) is retried from
+        `pre_train_step`, on the original batch and with the RNG it first drew from."""
+        if not self.callbacks.recovers_errors:
+            return self._attempt(batch, batch_idx, accumulating, None)
+        rng = rng_state()
         for attempt in range(_MAX_RETRIES + 1):
             if attempt:
-                set_rng_state(rng)  # type: ignore[arg-type]
-            given = cb.pre_train_step(batch, batch_idx)
-            if cb.skips_batches and self._skip_batch(ends_step=not accumulating):
-                return True, {}
-            started = time.perf_counter()
+                set_rng_state(rng)
             try:
-                result = self._recoverable_step(given, batch_idx, accumulating, attempt)
+                return self._attempt(batch, batch_idx, accumulating, attempt)
             except _Retry:
                 continue
-            finally:
-                self.step_path.stats.compute_s += time.perf_counter() - started
-            self.step_path.stats.add_loss(result.get("loss"))
-            return False, result
         raise AssertionError("unreachable: the last attempt raises")  # pragma: no cover
+
+    def _attempt(self, batch: Any, batch_idx: int, accumulating: bool, attempt: int | None) -> tuple[bool, dict[str, Any], torch.Tensor | None]:
+        """One attempt at the batch (`attempt` None: not recoverable), its compute time and
+        its loss in the step's telemetry."""
+        cb, stats = self.callbacks, self.step_path.stats
+        given = cb.pre_train_step(batch, batch_idx)
+        if cb.skips_batches and self._skip_batch(ends_step=not accumulating):
+            return True, {}, None
+        started = time.perf_counter()
+        try:
+            if attempt is None:
+                result = self._run_step(self.training_step, given, batch_idx, "train_context", accumulating)  # type: ignore[attr-defined]
+            else:
+                result = self._recoverable_step(given, batch_idx, accumulating, attempt)
+        finally:
+            stats.compute_s += time.perf_counter() - started
+        return False, result, stats.add_loss(result.get("loss"))
 
     def _recoverable_step(self, batch: Any, batch_idx: int, accumulating: bool, attempt: int) -> dict[str, Any]:
         """``training_step`` in its contexts; with ``recovers_errors``, a failure before the
@@ -292,9 +287,9 @@ class StepMixin(AbstractTrainer):
                 self._drop_gradients(self.model_for(optimizer), optimizer)
         return True
 
-    def _end_step(self) -> None:
+    def _end_step(self) -> bool:
         """The end of an optimizer step (the last micro-batch of a group): advance
-        ``global_step`` unless the step was skipped, record its time."""
+        ``global_step`` unless the step was skipped, record its time. Whether it was skipped."""
         path = self.step_path
         if path.veto_pending:
             path.clear_vetoes()
@@ -302,14 +297,15 @@ class StepMixin(AbstractTrainer):
                 "skip_step() was called but no trainer.step(optimizer) followed in this step: call it in "
                 "training_step or pre_optimizer_step, before self.step(optimizer)"
             )
-        if path.skipped:
+        skipped = path.end(self.global_step + 1, time.perf_counter())
+        if skipped:
             logger.info("optimizer step %d skipped: %s", self.global_step + 1, path.stats.skipped)
         else:
             self.global_step += 1
             if not path.timeout_relaxed:  # the first step of this fit(), also after a resume
                 path.timeout_relaxed = True
                 self.world.relax_timeout()
-        path.end(self.global_step, time.perf_counter())
+        return skipped
 
     # ------------------------------------------------------------------ plumbing
     def _check_armed(self, what: str) -> None:
@@ -319,9 +315,19 @@ class StepMixin(AbstractTrainer):
                 "calls it: the ranks then agree on every optimizer step"
             )
 
-    def _agreed_skip(self) -> str | None:
-        """The skip decision of every rank for this optimizer step (None: step)."""
-        if not (self.vetoes_steps or self.callbacks.vetoes_steps):
+    def _agreed_skip(self, vetoes: list[str]) -> str | None:
+        """The skip decision of every rank for this optimizer step (None: step), with the
+        callbacks that vetoed it in `pre_optimizer_step` (`vetoes`)."""
+        cb = self.callbacks
+        if vetoes:
+            undeclared = [v for v in vetoes if not cb[v].vetoes_steps]
+            if undeclared:
+                raise RuntimeError(
+                    f"callback(s) {undeclared} returned False from pre_optimizer_step (a veto) but do not declare "
+                    "vetoes_steps = True (the ranks agree on vetoed steps only then)"
+                )
+            self.skip_step(f"vetoed by {', '.join(vetoes)}")
+        if not (self.vetoes_steps or cb.vetoes_steps):
             self.step_path.clear_vetoes()
             return None
         return self._agree(self.step_path.take_veto())  # a device decision is read there, once

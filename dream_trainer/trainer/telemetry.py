@@ -109,12 +109,16 @@ class StepStats:
             self.tokens = (self.tokens or 0) + tokens
             self.total_tokens = (self.total_tokens or 0) + tokens
 
-    def add_loss(self, loss: Any) -> None:
+    def add_loss(self, loss: Any) -> torch.Tensor | None:
+        """Count a micro-batch and add its ``loss`` result; returns that loss as a float32
+        scalar tensor (None: not a one-element tensor)."""
         self.micro_batches += 1
-        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            if loss.ndim or loss.requires_grad or loss.dtype != torch.float32:  # else: use it as it is
-                loss = loss.detach().float().reshape(())
-            self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            return None
+        if loss.ndim or loss.requires_grad or loss.dtype != torch.float32:  # else: use it as it is
+            loss = loss.detach().float().reshape(())
+        self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+        return loss
 
 
 class RunningMean:
@@ -149,13 +153,15 @@ def count_batch(batch: Any) -> tuple[int, int | None]:
     """The default of ``trainer.count_batch``: samples = the first dimension of the batch's
     first tensor; tokens = its first two dimensions' product when that tensor holds integer
     ids of shape ``[batch, sequence, ...]``, else None."""
-    first = _first_tensor(batch)
-    if first is None or first.ndim == 0:
+    first = batch if isinstance(batch, torch.Tensor) else _first_tensor(batch)
+    if first is None:
         return 0, None
-    samples = int(first.shape[0])
-    if first.ndim >= 2 and not first.is_floating_point() and not first.is_complex() and first.dtype != torch.bool:
-        return samples, samples * int(first.shape[1])
-    return samples, None
+    shape = first.shape
+    if not shape:
+        return 0, None
+    if len(shape) >= 2 and not first.is_floating_point() and not first.is_complex() and first.dtype != torch.bool:
+        return shape[0], shape[0] * shape[1]
+    return shape[0], None
 
 
 def _first_tensor(batch: Any) -> torch.Tensor | None:
@@ -165,7 +171,7 @@ def _first_tensor(batch: Any) -> torch.Tensor | None:
         batch = list(batch.values())
     if isinstance(batch, (list, tuple)):
         for item in batch:
-            found = _first_tensor(item)
+            found = item if isinstance(item, torch.Tensor) else _first_tensor(item)
             if found is not None:
                 return found
     return None

@@ -70,21 +70,24 @@ def test_an_optimizer_route_is_made_once_until_forgotten():
     assert path.route(optimizer, make) is not first and len(made) == 2
 
 
-def test_the_cycle_opens_once_counts_skipped_steps_and_times_the_step():
+def test_the_cycle_opens_once_counts_waits_and_samples_skipped_steps_and_times_the_step():
     path = StepPath()
-    path.step_end = 10.0
-    assert path.begin() is True
-    path.stats.samples = 4
-    assert path.begin() is False  # a second micro-batch of the same step: nothing reset
-    assert path.stats.samples == 4
+    path.step_end = path.fetch_start = 10.0
+    assert path.arrive(10.25, samples=4, tokens=None) is True
+    assert path.stats.samples == 4 and path.stats.data_wait_s == pytest.approx(0.25)
+    path.fetch_start = 10.3
+    assert path.arrive(10.4, samples=4, tokens=32) is False  # a second micro-batch of the same step: nothing reset
+    assert path.stats.samples == 8 and path.stats.tokens == 32 and path.stats.data_wait_s == pytest.approx(0.35)
     path.stepped = True
-    path.end(step=1, now=10.5)
+    assert path.end(step=1, now=10.5) is False
     assert not path.open and path.stats.step == 1 and path.stats.step_time_s == pytest.approx(0.5)
-    assert path.skipped_steps == 0
-    assert path.begin() is True and path.stats.samples == 0  # the next step starts clean
+    assert path.skipped_steps == 0 and path.stats.total_samples == 8
+    path.fetch_start = 10.5
+    assert path.arrive(10.5, samples=2, tokens=None) is True  # the next step starts clean, the totals go on
+    assert path.stats.samples == 2 and path.stats.tokens is None and path.stats.total_samples == 10
     path.stats.skipped = "vetoed"
     assert path.skipped
-    path.end(step=1, now=11.0)
+    assert path.end(step=2, now=11.0) is True  # skipped: the global step stays 1
     assert path.skipped_steps == 1 and path.stats.step == 1
 
 
