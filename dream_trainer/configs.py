@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from dream_trainer.protocol.base import Callback
     from dream_trainer.protocol.collection import CallbackCollection
 
-Size = Union[int, Literal["auto"]]
+Size = Union[int, Literal["auto", "node"]]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
@@ -161,6 +161,8 @@ class DeviceParameters:
 
     Mesh sizes (`dp_replicate`, `dp_shard`, `context_parallel`, `tensor_parallel`) are
     ints or ``"auto"`` (at most one): ``"auto"`` takes what the world size leaves.
+    `dp_shard` may also be ``"node"``: the ranks of one node that context and tensor
+    parallelism leave (HSDP's default: shard within a node, replicate across nodes).
     Use the constructors `SINGLE_DEVICE`, `DDP`, `FSDP`, `HSDP` for the common layouts.
 
     `weight_init`: how sharded models (FSDP2, HSDP, TP: DTensor parameters) are
@@ -205,6 +207,8 @@ class DeviceParameters:
             value = getattr(self, name)
             if value == "auto":
                 autos.append(name)
+            elif value == "node" and name == "dp_shard":
+                continue
             else:
                 _positive_int(owner, name, value)
         if len(autos) > 1:
@@ -233,8 +237,9 @@ class DeviceParameters:
         return cls(dp_replicate=1, dp_shard=dp_shard, **kwargs)
 
     @classmethod
-    def HSDP(cls, dp_shard: int, **kwargs: Any) -> DeviceParameters:
-        """Shard within groups of `dp_shard` ranks, replicate across the groups."""
+    def HSDP(cls, dp_shard: Size = "node", **kwargs: Any) -> DeviceParameters:
+        """Shard within groups of `dp_shard` ranks, replicate across the groups. Default
+        ``"node"``: a group is one node (its ranks that context/tensor parallelism leave)."""
         return cls(dp_replicate="auto", dp_shard=dp_shard, **kwargs)
 
 

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from dream_trainer.cluster import detect, slurm_job_id
+
 logger = logging.getLogger(__name__)
 
 EXIT_PREEMPTED = 75
@@ -51,6 +53,39 @@ ENV_RUN_NAME = "DREAM_TRAINER_RUN_NAME"
 ENV_RUN_DIR = "DREAM_TRAINER_RUN_DIR"
 ENV_SEED = "DREAM_TRAINER_SEED"
 ENV_LAUNCHER_PID = "DREAM_TRAINER_LAUNCHER_PID"
+ENV_REQUEUE = "DREAM_TRAINER_REQUEUE"
+
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # the signals that stop a run (see trainer.control)
+
+
+def default_run_name() -> str:
+    """A run's name when none is given: ``slurm-<job id>`` inside a SLURM job (the same on
+    every node, and again after a requeue, so the requeued job resumes the same run),
+    else a timestamp."""
+    job = slurm_job_id()
+    return f"slurm-{job}" if job else time.strftime("%Y%m%d-%H%M%S")
+
+
+def requeue_slurm_job() -> bool:
+    """``scontrol requeue <job id>`` for the SLURM job this process runs in, from global
+    rank 0 only: the requeued job starts again and resumes from the newest checkpoint.
+    Returns whether a requeue was asked for (False, with a warning, outside SLURM or when
+    ``scontrol`` fails)."""
+    job = slurm_job_id()
+    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
+    if rank != "0":
+        return False
+    if not job:
+        logger.warning("requeue on preemption was asked for, but this is not a SLURM job (no SLURM_JOB_ID): not requeued")
+        return False
+    try:
+        subprocess.run(["scontrol", "requeue", job], check=True, timeout=60, capture_output=True, text=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", None) or exc
+        logger.warning("`scontrol requeue %s` failed: %s", job, detail)
+        return False
+    logger.warning("preempted: SLURM job %s requeued (it resumes from the newest checkpoint)", job)
+    return True
 
 _fit_statuses: list[int] = []  # exit codes of the fit() calls of this process, in order
 
@@ -159,6 +194,7 @@ def entrypoint(
     experiment: str | None = None,
     seed: int | None = None,
     argv: list[str] | None = None,
+    requeue: bool | None = None,
 ) -> T | LaunchResult:
     """Run `main` once per rank.
 
@@ -174,12 +210,20 @@ def entrypoint(
     however the script is written. ``raise SystemExit(entrypoint(main).exit_code)`` works as
     well: on success `entrypoint` returns ``main()``'s value (or the `LaunchResult`).
 
-    ``--nproc`` is removed from ``sys.argv`` before ``main`` parses it. A run name (a
-    timestamp), and `experiment`/`seed` when given, are exported so every rank agrees.
+    ``--nproc`` is removed from ``sys.argv`` before ``main`` parses it. A run name
+    (`default_run_name`), and `experiment`/`seed` when given, are exported so every rank
+    agrees.
+
+    Under ``srun`` (a SLURM step; see `dream_trainer.cluster` for the precedence) each task
+    is a rank: ``main()`` runs at once. `requeue` (or ``DREAM_TRAINER_REQUEUE=1``): when
+    the run was preempted (SIGTERM, or SLURM's SIGUSR1 warning: a checkpoint was taken),
+    rank 0 requeues the SLURM job (`requeue_slurm_job`) before exiting with status 75.
     """
-    if is_launched():
+    if requeue is None:
+        requeue = os.environ.get(ENV_REQUEUE, "") not in ("", "0")
+    if is_launched() or detect().source == "slurm":
         _die_with_launcher()
-        return _run_main(main)
+        return _run_main(main, requeue)
     args = list(sys.argv[1:] if argv is None else argv)
     cli_nproc, rest = _pop_nproc(args)
     env_nproc = os.environ.get(ENV_NPROC)
@@ -189,23 +233,26 @@ def entrypoint(
         nproc, _ = _pop_nproc(["--nproc", env_nproc])
     if argv is None:
         sys.argv[1:] = rest
-    os.environ.setdefault(ENV_RUN_NAME, time.strftime("%Y%m%d-%H%M%S"))
+    os.environ.setdefault(ENV_RUN_NAME, default_run_name())
     if experiment is not None:
         os.environ.setdefault(ENV_EXPERIMENT, experiment)
     if seed is not None:
         os.environ.setdefault(ENV_SEED, str(seed))
     if nproc is None or nproc == 1:
-        return _run_main(main)
+        return _run_main(main, requeue)
     result = _spawn(nproc, rest)
+    if result.exit_code == EXIT_PREEMPTED and requeue:
+        requeue_slurm_job()
     if result.exit_code != 0:
         raise LaunchExit(result.exit_code, result)
     return result
 
 
-def _run_main(main: Callable[[], T]) -> T:
+def _run_main(main: Callable[[], T], requeue: bool = False) -> T:
     """``main()``, then `LaunchExit` when a ``fit()`` it ran (or the trainer it returned)
     did not succeed: a preempted run exits 75 and a failed one non-zero, even when the
-    script drops the status (a failure that ``main`` caught included)."""
+    script drops the status (a failure that ``main`` caught included). A preempted run
+    with `requeue` requeues its SLURM job first (rank 0)."""
     first = len(_fit_statuses)
     value = main()
     codes = _fit_statuses[first:]
@@ -213,6 +260,8 @@ def _run_main(main: Callable[[], T]) -> T:
     if isinstance(returned, int) and not isinstance(returned, bool):
         codes = [*codes, returned]
     code = combined_exit_code(codes)
+    if code == EXIT_PREEMPTED and requeue:
+        requeue_slurm_job()
     if code != 0:
         raise LaunchExit(code)
     return value
@@ -240,7 +289,7 @@ class LaunchResult:
 def _spawn(nproc: int, script_args: list[str], grace_s: float = 30.0) -> LaunchResult:
     """Start `nproc` ranks of this script on 127.0.0.1 and wait for all of them.
 
-    - SIGTERM/SIGINT to this process is forwarded to every rank, once per signal (the
+    - SIGTERM/SIGINT/SIGUSR1 to this process is forwarded to every rank, once per signal (the
       ranks run in their own session, so a terminal's Ctrl-C reaches them only this way;
       on Linux a rank also gets SIGTERM if this process dies).
     - A rank exiting with `EXIT_PREEMPTED` (75) does not disturb the others: they finish
@@ -266,7 +315,7 @@ def _spawn(nproc: int, script_args: list[str], grace_s: float = 30.0) -> LaunchR
             if proc.poll() is None:
                 proc.send_signal(signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
     try:
         for rank in range(nproc):
             rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))

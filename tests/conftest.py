@@ -15,7 +15,7 @@ torch.set_num_threads(1)
 def _clean_env(monkeypatch, tmp_path):
     """Each test starts outside any launcher, in its own directory."""
     for name in list(os.environ):
-        if name.startswith("DREAM_TRAINER_") or name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if name.startswith(("DREAM_TRAINER_", "SLURM_")) or name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             monkeypatch.delenv(name)
     monkeypatch.chdir(tmp_path)
     yield

@@ -8,7 +8,6 @@ snapshot, so a callback may remove itself or add another from inside a hook.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import types
 import typing
@@ -18,6 +17,7 @@ from typing import Any, Callable
 
 from typing_extensions import get_protocol_members
 
+from dream_trainer.cluster import global_rank as cluster_rank
 from dream_trainer.protocol.base import CONTEXT_HOOKS, HOOKS, Callback, RankZeroCallback, SkipBatch, StopTraining
 from dream_trainer.protocol.dispatch import DispatchMixin
 
@@ -163,11 +163,12 @@ class CallbackCollection(DispatchMixin):
     def initialize(self, trainer: Any, global_rank: int | None = None) -> None:
         """Attach every callback to `trainer`, checking what each one needs.
 
-        `global_rank` decides where `RankZeroCallback` hooks run (default: the ``RANK``
-        environment variable, 0 when unset — known before the process group exists).
+        `global_rank` decides where `RankZeroCallback` hooks run (default: this process's
+        rank from the launch environment, `dream_trainer.cluster.global_rank`: ``RANK``, or
+        a SLURM step's ``SLURM_PROCID`` — known before the process group exists).
         """
         self._trainer = trainer
-        self._rank = int(os.environ.get("RANK", "0")) if global_rank is None else global_rank
+        self._rank = cluster_rank() if global_rank is None else global_rank
         for name, callback in list(self._callbacks.items()):
             self._attach(name, callback)
         self._rebuild()

@@ -20,7 +20,7 @@ import torch
 from dream_trainer.protocol.base import StopTraining
 from dream_trainer.protocol.collection import CallbackCollection
 from dream_trainer.configs import LoggingParameters, TrainerConfig, TrainingParameters
-from dream_trainer.launch import RunIdentity, exit_code_for, record_exit_code
+from dream_trainer.launch import RunIdentity, default_run_name, exit_code_for, record_exit_code
 from dream_trainer.trainer.metric_log import MetricLog
 from dream_trainer.trainer.metrics import MetricsMixin
 from dream_trainer.trainer.control import ControlPlane, TrainingInterrupted
@@ -444,7 +444,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         launcher's when it set them, else from the config; the run directory ends in the
         world's `run_subdirectory` when it has one."""
         env, cfg = RunIdentity.from_env(), self.config
-        run_name = cfg.run_name or env.run_name or time.strftime("%Y%m%d-%H%M%S")
+        run_name = cfg.run_name or env.run_name or default_run_name()
         run_dir = env.run_dir or os.path.join(cfg.root_dir, env.experiment or cfg.experiment, run_name)
         seed = env.seed if env.seed is not None else cfg.seed
         self.run_name, run_dir, self.seed = self.world.broadcast_object((run_name, run_dir, seed))

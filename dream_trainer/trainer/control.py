@@ -1,4 +1,4 @@
-"""`ControlPlane`: decisions that change control flow — a signal (SIGTERM/SIGINT), a stop
+"""`ControlPlane`: decisions that change control flow — a signal (SIGTERM/SIGINT/SIGUSR1), a stop
 requested by a callback (`StopTraining`, ``trainer.request_stop``), disabling a failing
 non-critical callback — taken on any rank and acted on by every rank at the same point.
 
@@ -29,6 +29,11 @@ import torch
 from dream_trainer.protocol.base import StopTraining
 
 logger = logging.getLogger(__name__)
+
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+"""The signals that stop a run at the next step boundary (a checkpoint, then exit status 75):
+a scheduler's preemption (SIGTERM), Ctrl-C (SIGINT) and SLURM's warning before the time limit
+(``#SBATCH --signal=USR1@90``)."""
 
 SIGNAL_REPEAT_WINDOW_S = 1.0
 """A repeat of the first SIGTERM/SIGINT within this many seconds is the same delivery."""
@@ -106,7 +111,7 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ signals
     def install_signal_handlers(self, running: Callable[[], bool]) -> Callable[[], None]:
-        """SIGTERM and SIGINT ask for a stop at the next step boundary; a second signal (or
+        """SIGTERM, SIGINT and SIGUSR1 ask for a stop at the next step boundary; a second signal (or
         one while not `running`) raises `TrainingInterrupted` at once. The same signal
         repeated within `SIGNAL_REPEAT_WINDOW_S` of the first is one delivery, not a second
         signal: a process can get one signal twice (a scheduler signalling the process group
@@ -128,7 +133,7 @@ class ControlPlane:
             self.signal = signum
             logger.warning("received %s: stopping at the next step boundary", signal.Signals(signum).name)
 
-        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
 
         def restore() -> None:
             for sig, old in previous.items():

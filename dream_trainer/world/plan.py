@@ -66,14 +66,16 @@ def plan_mesh(params: DeviceParameters, world_size: int, local_world_size: int |
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise MeshPlanError(f"world_size={world_size!r} is invalid: expected an int >= 1")
     requested = {dim: getattr(params, field) for dim, field in _FIELDS.items()}
+    sizes = dict(requested)
+    if requested["dp_shard"] == "node":
+        sizes["dp_shard"] = _node_shard(requested, world_size, local_world_size)
     fixed = 1
     auto_dim = None
-    for dim, size in requested.items():
+    for dim, size in sizes.items():
         if size == "auto":
             auto_dim = dim
         else:
-            fixed *= size
-    sizes = dict(requested)
+            fixed *= size  # type: ignore[operator]
     if auto_dim is not None:
         if world_size % fixed:
             raise MeshPlanError(
@@ -88,7 +90,33 @@ def plan_mesh(params: DeviceParameters, world_size: int, local_world_size: int |
         raise MeshPlanError(
             _message(requested, world_size, f"tensor_parallel={plan.tp} {why} ({local_world_size} ranks)", local_world_size)
         )
+    block = plan.dp_shard * plan.cp * plan.tp  # consecutive ranks: one shard group
+    if plan.dp_replicate > 1 and plan.dp_shard > 1 and local_world_size is not None and (
+            local_world_size % block and block % local_world_size):
+        raise MeshPlanError(
+            f"an HSDP shard group of {block} ranks (dp_shard={plan.dp_shard} x context_parallel={plan.cp} x "
+            f"tensor_parallel={plan.tp}) straddles nodes of {local_world_size} ranks (part of a node on each side). "
+            "A plan that fits: DeviceParameters.HSDP(dp_shard='node') (shard within a node, replicate across nodes), "
+            f"or a dp_shard whose group is a whole number of nodes"
+        )
     return plan
+
+
+def _node_shard(requested: dict[str, object], world_size: int, local_world_size: int | None) -> int:
+    """``dp_shard="node"``: the ranks of a node that context and tensor parallelism leave."""
+    node = local_world_size or world_size
+    model_parallel = 1
+    for dim in ("cp", "tp"):
+        size = requested[dim]
+        if not isinstance(size, int):
+            raise MeshPlanError(f"dp_shard='node' needs fixed {_FIELDS[dim]} (got {size!r}): give it as an int")
+        model_parallel *= size
+    if node % model_parallel:
+        raise MeshPlanError(
+            _message(requested, world_size, f"context_parallel x tensor_parallel = {model_parallel} does not divide a "
+                     f"node ({node} ranks)", local_world_size)
+        )
+    return node // model_parallel
 
 
 def _message(requested: dict[str, object], world_size: int, why: str, local_world_size: int | None) -> str:
@@ -112,7 +140,7 @@ def _suggest(requested: dict[str, object], world_size: int, local_world_size: in
             keep[dim] = 1
         else:
             model_parallel *= size
-    shard_wanted = requested["dp_shard"] == "auto" or (isinstance(requested["dp_shard"], int) and requested["dp_shard"] > 1)
+    shard_wanted = requested["dp_shard"] in ("auto", "node") or (isinstance(requested["dp_shard"], int) and requested["dp_shard"] > 1)
     dp = world_size // model_parallel
     dp_field = "dp_shard" if shard_wanted else "dp_replicate"
     other = "dp_replicate" if shard_wanted else "dp_shard"

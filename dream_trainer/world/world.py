@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from dream_trainer.cluster import detect as detect_cluster
 from dream_trainer.configs import DeviceParameters
 from dream_trainer.world.memory import MemoryStatus, read_memory_status, reset_peak_memory
 from dream_trainer.world.plan import MESH_DIMS, MeshPlan, plan_mesh
@@ -97,10 +98,9 @@ class DistributedWorld:
 
     def __init__(self, device_parameters: DeviceParameters | None = None):
         self.device_parameters = device_parameters or DeviceParameters()
-        self.rank = _env_int("RANK", 0)
-        self.world_size = _env_int("WORLD_SIZE", 1)
-        self.local_rank = _env_int("LOCAL_RANK", 0)
-        self.local_world_size = _env_int("LOCAL_WORLD_SIZE", self.world_size)
+        self.cluster = detect_cluster()  # torchrun, SLURM (srun) or one process: see dream_trainer.cluster
+        self.rank, self.world_size = self.cluster.rank, self.cluster.world_size
+        self.local_rank, self.local_world_size = self.cluster.local_rank, self.cluster.local_world_size
         self.plan: MeshPlan = plan_mesh(self.device_parameters, self.world_size, self.local_world_size)
         self.device = self._resolve_device()
         self.mesh: DeviceMesh | None = None
@@ -149,6 +149,8 @@ class DistributedWorld:
         timeout = timedelta(seconds=self.device_parameters.init_timeout_s)
         before = _socket_inodes()
         if not dist.is_initialized():
+            if self.cluster.source == "slurm":
+                self.cluster.export()  # srun's ranks, in the variables env:// reads
             if self.world_size == 1 and "MASTER_ADDR" not in os.environ:
                 # One rank, no launcher: an in-memory store, no ports.
                 dist.init_process_group(

@@ -124,3 +124,10 @@ def test_the_former_name_of_fault_tolerance_still_imports_and_says_the_new_one()
         "the old name will be removed"]
     assert old.Lighthouse is fault_tolerance.Lighthouse and old.main is fault_tolerance.main
     assert old.FaultTolerantSampler is fault_tolerance.FaultTolerantSampler
+
+
+def test_the_cluster_environment_is_a_leaf():
+    """Read by the protocol (where rank-zero callbacks run), the world and the launcher: it
+    imports nothing of the house."""
+    assert "dream_trainer.cluster" in GRAPH
+    assert GRAPH["dream_trainer.cluster"] == set()
