@@ -186,6 +186,51 @@ def check_writable(root: Path, what: str) -> None:
         ) from exc
 
 
+class _Nodes(Protocol):
+    """What `check_shared_root` needs of the world."""
+
+    rank: int
+    local_rank: int
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+    def barrier(self) -> None: ...
+
+
+def check_shared_root(world: _Nodes, root: Path, node_rank: int) -> None:
+    """Every node must see the same checkpoint root (a node-local path would leave each
+    node a part of every checkpoint): rank 0 writes a marker there, the first rank of each
+    node reads it back. Raises `CheckpointError` on every rank, naming the nodes that do not
+    see it, before any step. A collective: every rank calls it."""
+    import socket
+    import uuid
+
+    token = world.broadcast_object(uuid.uuid4().hex if world.rank == 0 else None)
+    marker = root / f".shared-root-{token}"
+    if world.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        marker.write_text(token)
+    world.barrier()  # written before any node looks
+    seen = True
+    if world.local_rank == 0:
+        try:
+            seen = marker.read_text() == token
+        except OSError:
+            seen = False
+    views = world.all_gather_object((node_rank, socket.gethostname(), seen))
+    world.barrier()  # read everywhere before it goes
+    if world.rank == 0:
+        marker.unlink(missing_ok=True)
+    missing = sorted({(node, host) for node, host, ok in views if not ok})
+    if missing:
+        names = ", ".join(f"node {node} ({host})" for node, host in missing)
+        raise CheckpointError(
+            f"the checkpoint root {root} is not the same directory on every node: {names} cannot see the marker rank 0 "
+            "wrote there (a node-local or relative path?). Checkpoints need one directory every node shares: set "
+            "CheckpointParameters(root_dir=...) or TrainerConfig(root_dir=...) to an absolute path on shared storage"
+        )
+
+
 def clean_staging(root: Path) -> list[Path]:
     """Remove leftover staging directories (saves that never completed)."""
     removed = []

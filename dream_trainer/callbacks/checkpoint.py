@@ -29,6 +29,7 @@ from dream_trainer.checkpoint import (
     STAGING_PREFIX,
     CheckpointError,
     best_of,
+    check_shared_root,
     check_writable,
     clean_staging,
     dcp_errors,
@@ -97,6 +98,8 @@ class CheckpointCallback(Callback[BaseTrainer]):
         # A world sharing the run (a replica group) has its own directory under an explicit
         # root too; the default root lies in the run directory, which already follows it.
         self.root = Path(explicit) / (world.run_subdirectory or "") if explicit else trainer.run_dir / "checkpoints"
+        if world.cluster.num_nodes > 1:  # before any step: a node-local root fails here, on every rank
+            check_shared_root(world, self.root, world.cluster.node_rank)
         self.every_n_steps = self._schedule(world.checkpoint_interval)
         if self.params.async_mode != "off":
             # Background saves run collectives; on their own group they never interleave

@@ -155,3 +155,23 @@ def test_a_simulated_slurm_job_preempted_by_usr1_on_one_rank_saves_everywhere_re
     # Resumed, not restarted: every step logged once (a fresh start would log 5 and 10 again).
     assert [r["step"] for r in logged if "train/loss" in r] == [5, 10, 15, 20, 25, 30], (logged, outs[0][-3000:])
     assert _losses(run / "logs") == pytest.approx(one_node, rel=1e-5), outs[0][-2000:]
+
+
+def test_a_checkpoint_root_that_is_not_shared_by_the_nodes_fails_clearly_before_any_step(tmp_path):
+    """Two torchrun "nodes" in different working directories with a relative root: each node
+    sees its own directory, as with a node-local path."""
+    port = _free_port()
+    procs = []
+    for node in (0, 1):
+        cwd = tmp_path / f"node{node}"
+        cwd.mkdir()
+        procs.append(_start([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                             "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                             "--rdzv-id", "local-roots", str(DEMO), *ARGS, "--root-dir", "runs", "--run-name", "x"],
+                            cwd, {"GLOO_SOCKET_IFNAME": "lo"}))
+    outs = _run(procs)
+    assert all(p.returncode != 0 for p in procs), "\n----\n".join(o[-2000:] for o in outs)
+    for out in outs:  # every node says why, naming the node that cannot see the root
+        assert "is not the same directory on every node: node 1" in out, out[-3000:]
+    assert not any(p.read_text().strip() for p in tmp_path.rglob("metrics.jsonl"))  # no step was logged
+    assert not list(tmp_path.rglob("step_*"))  # nor saved

@@ -167,3 +167,32 @@ def test_requeue_is_rank_zero_only_and_says_why_it_did_not_happen(monkeypatch, t
     monkeypatch.setenv("JOB_FAILS", "1")
     assert not requeue_slurm_job()
     assert "no such job" in caplog.text
+
+
+def test_the_shared_root_check_names_the_nodes_that_cannot_see_it(tmp_path):
+    from dream_trainer.checkpoint import check_shared_root
+    from dream_trainer.errors import CheckpointError
+
+    class OneRankOfTwoNodes:
+        """Rank 0 of a 2-node world whose other node answers `other` (the gather's second view)."""
+
+        rank = local_rank = 0
+
+        def __init__(self, other: bool):
+            self.other, self.barriers = other, 0
+
+        def broadcast_object(self, obj, src=0):
+            return obj
+
+        def all_gather_object(self, obj):
+            return [obj, (1, "node-b", self.other)]
+
+        def barrier(self):
+            self.barriers += 1
+
+    world = OneRankOfTwoNodes(other=True)
+    check_shared_root(world, tmp_path / "ckpt", node_rank=0)
+    assert (tmp_path / "ckpt").is_dir() and not list((tmp_path / "ckpt").iterdir())  # the marker is gone
+    assert world.barriers == 2
+    with pytest.raises(CheckpointError, match=r"is not the same directory on every node: node 1 \(node-b\)"):
+        check_shared_root(OneRankOfTwoNodes(other=False), tmp_path / "ckpt", node_rank=0)
