@@ -22,6 +22,18 @@ def slurm_env(procid: int, nodes: int = 2, per_node: int = 2, **extra: str) -> d
     }
 
 
+def stub_scontrol(monkeypatch, tmp_path, body: str):
+    """An `scontrol` first on PATH that logs its arguments (the returned file), then runs `body`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls"
+    stub = bin_dir / "scontrol"
+    stub.write_text(f'#!/bin/sh\necho "$@" >> {log}\n{body}\n')
+    stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return log
+
+
 @pytest.fixture
 def no_scontrol(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
@@ -53,13 +65,7 @@ def test_a_slurm_step_gives_ranks_nodes_and_the_first_host(no_scontrol):
 
 
 def test_the_first_host_comes_from_scontrol_when_it_is_on_path(monkeypatch, tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    log = tmp_path / "calls"
-    stub = bin_dir / "scontrol"
-    stub.write_text(f'#!/bin/sh\necho "$@" >> {log}\necho node-b.cluster\necho node-a.cluster\n')
-    stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    log = stub_scontrol(monkeypatch, tmp_path, "echo node-b.cluster\necho node-a.cluster")
     env = detect(slurm_env(1))
     assert env.master_addr == "node-b.cluster"
     assert log.read_text().split() == ["show", "hostnames", "gpu[08-09]"]
@@ -151,13 +157,7 @@ def test_requeue_is_rank_zero_only_and_says_why_it_did_not_happen(monkeypatch, t
     assert default_run_name() != "slurm-"  # a timestamp outside SLURM
     assert not requeue_slurm_job()  # not a SLURM job: a warning, nothing run
     assert "not a SLURM job" in caplog.text
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    log = tmp_path / "calls"
-    stub = bin_dir / "scontrol"
-    stub.write_text(f'#!/bin/sh\necho "$@" >> {log}\nif [ "$JOB_FAILS" = 1 ]; then echo "no such job" >&2; exit 1; fi\n')
-    stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    log = stub_scontrol(monkeypatch, tmp_path, 'if [ "$JOB_FAILS" = 1 ]; then echo "no such job" >&2; exit 1; fi')
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     assert default_run_name() == "slurm-77"  # the same after a requeue: the job resumes its run
     monkeypatch.setenv("SLURM_PROCID", "1")
