@@ -32,7 +32,7 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ClusterEnvironment", "ClusterError", "detect", "expand_hostlist", "first_host", "global_rank", "slurm_job_id", "slurm_port",
+__all__ = ["ClusterEnvironment", "ClusterError", "detect", "expand_hostlist", "first_host", "global_rank", "in_slurm_step", "slurm_job_id", "slurm_port",
            "tasks_per_node"]
 
 
@@ -84,7 +84,7 @@ def detect(environ: Mapping[str, str] | None = None) -> ClusterEnvironment:
     env = os.environ if environ is None else environ
     if "WORLD_SIZE" in env or "RANK" in env:
         return _torchrun(env)
-    if _in_slurm_step(env):
+    if in_slurm_step(env):
         return _slurm(env)
     return ClusterEnvironment(source="single", master_addr=env.get("MASTER_ADDR"),
                               master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else None)
@@ -97,7 +97,7 @@ def global_rank(environ: Mapping[str, str] | None = None) -> int:
     env = os.environ if environ is None else environ
     if env.get("RANK"):
         return _int(env, "RANK")
-    if _in_slurm_step(env):
+    if in_slurm_step(env):
         return _int(env, "SLURM_PROCID")
     return 0
 
@@ -144,8 +144,10 @@ def _slurm(env: Mapping[str, str]) -> ClusterEnvironment:
                               master_addr=addr, master_port=port, job_id=job)
 
 
-def _in_slurm_step(env: Mapping[str, str]) -> bool:
-    """Inside a task ``srun`` started (the batch script itself has no step id)."""
+def in_slurm_step(environ: Mapping[str, str] | None = None) -> bool:
+    """Inside a task ``srun`` started (the batch script itself has no step id). Cheap: no
+    ``scontrol``."""
+    env = os.environ if environ is None else environ
     return ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env) and "SLURM_PROCID" in env and "SLURM_NTASKS" in env
 
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from dream_trainer.cluster import detect, slurm_job_id
+from dream_trainer.cluster import global_rank, in_slurm_step, slurm_job_id
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,10 @@ ENV_SEED = "DREAM_TRAINER_SEED"
 ENV_LAUNCHER_PID = "DREAM_TRAINER_LAUNCHER_PID"
 ENV_REQUEUE = "DREAM_TRAINER_REQUEUE"
 
-_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # the signals that stop a run (see trainer.control)
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+"""The signals that stop a run at the next step boundary (a checkpoint, then exit status 75):
+a scheduler's preemption (SIGTERM), Ctrl-C (SIGINT) and SLURM's warning before the time limit
+(``#SBATCH --signal=USR1@90``). The trainer handles them; the ``--nproc`` launcher forwards them."""
 
 
 def default_run_name() -> str:
@@ -72,8 +75,7 @@ def requeue_slurm_job() -> bool:
     Returns whether a requeue was asked for (False, with a warning, outside SLURM or when
     ``scontrol`` fails)."""
     job = slurm_job_id()
-    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
-    if rank != "0":
+    if global_rank() != 0:
         return False
     if not job:
         logger.warning("requeue on preemption was asked for, but this is not a SLURM job (no SLURM_JOB_ID): not requeued")
@@ -221,7 +223,7 @@ def entrypoint(
     """
     if requeue is None:
         requeue = os.environ.get(ENV_REQUEUE, "") not in ("", "0")
-    if is_launched() or detect().source == "slurm":
+    if is_launched() or in_slurm_step():
         _die_with_launcher()
         return _run_main(main, requeue)
     args = list(sys.argv[1:] if argv is None else argv)
@@ -240,9 +242,9 @@ def entrypoint(
         os.environ.setdefault(ENV_SEED, str(seed))
     if nproc is None or nproc == 1:
         return _run_main(main, requeue)
+    if requeue:
+        os.environ[ENV_REQUEUE] = "1"  # the ranks' rank 0 requeues (once: not this launcher too)
     result = _spawn(nproc, rest)
-    if result.exit_code == EXIT_PREEMPTED and requeue:
-        requeue_slurm_job()
     if result.exit_code != 0:
         raise LaunchExit(result.exit_code, result)
     return result
@@ -315,7 +317,7 @@ def _spawn(nproc: int, script_args: list[str], grace_s: float = 30.0) -> LaunchR
             if proc.poll() is None:
                 proc.send_signal(signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
+    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
     try:
         for rank in range(nproc):
             rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))

@@ -26,14 +26,10 @@ from typing import Any, Protocol
 
 import torch
 
+from dream_trainer.launch import STOP_SIGNALS
 from dream_trainer.protocol.base import StopTraining
 
 logger = logging.getLogger(__name__)
-
-STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-"""The signals that stop a run at the next step boundary (a checkpoint, then exit status 75):
-a scheduler's preemption (SIGTERM), Ctrl-C (SIGINT) and SLURM's warning before the time limit
-(``#SBATCH --signal=USR1@90``)."""
 
 SIGNAL_REPEAT_WINDOW_S = 1.0
 """A repeat of the first SIGTERM/SIGINT within this many seconds is the same delivery."""

@@ -145,8 +145,7 @@ class StepPath:
     def end(self, step: int, now: float) -> bool:
         """The open step, global step `step` when applied, ended at `now`. Whether it was
         skipped (then the global step stays `step` - 1)."""
-        stats = self.stats
-        skipped = stats.skipped is not None and not self.stepped
+        stats, skipped = self.stats, self.skipped
         if skipped:
             self.skipped_steps += 1
             step -= 1

@@ -154,12 +154,14 @@ def test_a_plan_that_crosses_a_node_where_it_should_not_is_refused_with_a_sugges
 def test_requeue_is_rank_zero_only_and_says_why_it_did_not_happen(monkeypatch, tmp_path, caplog):
     from dream_trainer.launch import default_run_name, requeue_slurm_job
 
-    assert default_run_name() != "slurm-"  # a timestamp outside SLURM
+    assert not default_run_name().startswith("slurm-")  # a timestamp outside SLURM
     assert not requeue_slurm_job()  # not a SLURM job: a warning, nothing run
     assert "not a SLURM job" in caplog.text
     log = stub_scontrol(monkeypatch, tmp_path, 'if [ "$JOB_FAILS" = 1 ]; then echo "no such job" >&2; exit 1; fi')
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     assert default_run_name() == "slurm-77"  # the same after a requeue: the job resumes its run
+    monkeypatch.setenv("SLURM_STEP_ID", "0")  # a task of an srun step
+    monkeypatch.setenv("SLURM_NTASKS", "2")
     monkeypatch.setenv("SLURM_PROCID", "1")
     assert not requeue_slurm_job() and not log.exists()  # not rank 0
     monkeypatch.setenv("SLURM_PROCID", "0")
