@@ -55,18 +55,31 @@ ENV_SEED = "DREAM_TRAINER_SEED"
 ENV_LAUNCHER_PID = "DREAM_TRAINER_LAUNCHER_PID"
 ENV_REQUEUE = "DREAM_TRAINER_REQUEUE"
 
-STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 """The signals that stop a run at the next step boundary (a checkpoint, then exit status 75):
-a scheduler's preemption (SIGTERM), Ctrl-C (SIGINT) and SLURM's warning before the time limit
-(``#SBATCH --signal=USR1@90``). The trainer handles them; the ``--nproc`` launcher forwards them."""
+a scheduler's preemption (SIGTERM), Ctrl-C (SIGINT), SLURM's warning before the time limit
+(``#SBATCH --signal=USR1@90``) and submitit's (SIGUSR2: while a run trains, the trainer's
+handler replaces submitit's and restores it afterwards; see examples/submitit). The trainer
+handles them; the ``--nproc`` launcher forwards them."""
 
 
 def default_run_name() -> str:
-    """A run's name when none is given: ``slurm-<job id>`` inside a SLURM job (the same on
-    every node, and again after a requeue, so the requeued job resumes the same run),
-    else a timestamp."""
+    """A run's name when none is given, the same on every node and again after a restart,
+    so a restarted run resumes itself: ``slurm-<job id>`` inside a SLURM job (also after a
+    requeue), ``torchrun-<rdzv id>`` under torchrun with a rendezvous id (``--rdzv-id``, or
+    ``--standalone``'s own: torchelastic's restarts keep it), else a timestamp — with a
+    warning under ``torchrun --max-restarts``, whose restarted ranks would then start a new
+    run."""
     job = slurm_job_id()
-    return f"slurm-{job}" if job else time.strftime("%Y%m%d-%H%M%S")
+    if job:
+        return f"slurm-{job}"
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id != "none":
+        return f"torchrun-{run_id}"
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0:
+        logger.warning("torchrun --max-restarts without --rdzv-id and without a run name: a restarted group gets a "
+                       "new timestamped run name and starts over instead of resuming; pass --rdzv-id or a run name")
+    return time.strftime("%Y%m%d-%H%M%S")
 
 
 def requeue_slurm_job() -> bool:
@@ -291,7 +304,7 @@ class LaunchResult:
 def _spawn(nproc: int, script_args: list[str], grace_s: float = 30.0) -> LaunchResult:
     """Start `nproc` ranks of this script on 127.0.0.1 and wait for all of them.
 
-    - SIGTERM/SIGINT/SIGUSR1 to this process is forwarded to every rank, once per signal (the
+    - SIGTERM/SIGINT/SIGUSR1/SIGUSR2 to this process is forwarded to every rank, once per signal (the
       ranks run in their own session, so a terminal's Ctrl-C reaches them only this way;
       on Linux a rank also gets SIGTERM if this process dies).
     - A rank exiting with `EXIT_PREEMPTED` (75) does not disturb the others: they finish

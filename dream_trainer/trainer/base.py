@@ -164,7 +164,9 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         path; a decision to stop (a signal, `StopTraining`) is agreed by every rank."""
         self._check_required_methods()
         self.control.reset()
-        restore_signals = self.control.install_signal_handlers(lambda: self.status == "running")
+        # Before the world is up a signal cannot be agreed on (and nothing needs saving): it
+        # stops the run at once, also while waiting for the other ranks to arrive.
+        restore_signals = self.control.install_signal_handlers(lambda: self.status == "running" and self.world.launched)
         self.status = "running"
         self.step_path.timeout_relaxed = False
         failure: BaseException | None = None  # a critical callback's error at the end
@@ -177,6 +179,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
             self._interrupted(interrupt)
         except BaseException as exc:
             self.status = "failed"
+            self.world.explain_failure(exc)  # posts this rank's error, or names the ranks lost
             self.callbacks.on_interrupt(exc)
             raise
         finally:

@@ -20,6 +20,7 @@ from dream_trainer.cluster import detect as detect_cluster
 from dream_trainer.configs import DeviceParameters
 from dream_trainer.world.memory import MemoryStatus, read_memory_status, reset_peak_memory
 from dream_trainer.world.plan import MESH_DIMS, MeshPlan, plan_mesh
+from dream_trainer.world.rendezvous import Heartbeat, is_communication_error, roll_call
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class DistributedWorld:
         self._dp: tuple[int, int] | None = None  # (rank, size) on the launched mesh
         self._sockets: set[str] = set()  # socket inodes of this world's process groups
         self._timeout = timedelta(seconds=self.device_parameters.init_timeout_s)
+        self._heartbeat: Heartbeat | None = None  # names lost ranks after a failure (`explain_failure`)
         # id(parameter list) -> (its parameters, [(gradient kind, indices)]): see _gradient_groups
         self._grad_plans: dict[int, tuple[tuple[Any, ...], list[tuple[Any, list[int]]]]] = {}
 
@@ -157,7 +159,11 @@ class DistributedWorld:
                     self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
                 )
             else:
-                dist.init_process_group(self.backend, timeout=timeout)
+                # A roll call names any rank that never arrives (env:// would only count them).
+                store, roster, prefix = roll_call(self.cluster, timeout)
+                dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size,
+                                        timeout=timeout)
+                self._heartbeat = Heartbeat(self.cluster, roster, prefix, timeout)
             self._owns_process_group = True
         elif dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
             raise RuntimeError(
@@ -229,6 +235,9 @@ class DistributedWorld:
         self.mesh = None
         self._groups = []
         self._dp = None
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         if self._owns_process_group and dist.is_initialized():
             try:
                 if abort and "nccl" in self.backend:
@@ -243,6 +252,20 @@ class DistributedWorld:
         self._sockets = set()
         self._owns_process_group = False
         self._launched = False
+
+    def explain_failure(self, exc: BaseException) -> None:
+        """Called on every rank whose run failed, before teardown. A rank's own error is
+        posted for its peers; a failed collective is explained by naming the ranks that
+        failed or stopped answering (logged, and added as a note to `exc`)."""
+        if self._heartbeat is None or not isinstance(exc, Exception):
+            return
+        if not is_communication_error(exc):
+            self._heartbeat.post_failure(exc)
+            return
+        why = self._heartbeat.explain()
+        if why:
+            logger.error("rank %d: a collective failed because %s", self.rank, why)
+            exc.add_note(f"dream_trainer: {why}")
 
     # ------------------------------------------------------------------ properties
     @property
