@@ -171,6 +171,35 @@ def test_requeue_is_rank_zero_only_and_says_why_it_did_not_happen(monkeypatch, t
     assert "no such job" in caplog.text
 
 
+def test_a_torchrun_run_is_named_after_its_rendezvous_id_and_restarts_without_one_warn(monkeypatch, caplog):
+    from dream_trainer.launch import default_run_name
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "my-run")  # --rdzv-id, kept by every restart
+    assert default_run_name() == "torchrun-my-run"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default without --rdzv-id
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    assert not default_run_name().startswith("torchrun-") and "max-restarts" not in caplog.text
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    default_run_name()
+    assert "starts over instead of resuming" in caplog.text
+
+
+def test_ranks_are_named_with_node_and_host_and_communication_errors_are_told_apart():
+    import torch.distributed as dist
+
+    from dream_trainer.cluster import ClusterEnvironment
+    from dream_trainer.world.rendezvous import Roster, is_communication_error
+
+    roster = Roster(ClusterEnvironment("torchrun", rank=0, world_size=4, local_world_size=2, num_nodes=2),
+                    {0: (0, "gpu-1"), 2: (1, "gpu-2")})
+    assert roster.name(2) == "rank 2 (node 1, host gpu-2)"
+    assert roster.name(3) == "rank 3 (node 1, host gpu-2)"  # never signed in: its node's host
+    assert Roster(roster.cluster, {}).name(3) == "rank 3 (node 1)"
+    assert is_communication_error(dist.DistNetworkError("x"))
+    assert is_communication_error(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
+    assert not is_communication_error(ValueError("boom")) and not is_communication_error(RuntimeError("shape mismatch"))
+
+
 def test_the_shared_root_check_names_the_nodes_that_cannot_see_it(tmp_path):
     from dream_trainer.checkpoint import check_shared_root
     from dream_trainer.errors import CheckpointError
