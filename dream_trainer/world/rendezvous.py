@@ -193,9 +193,10 @@ class Heartbeat:
     """This rank's counter in the run's store, moved by a daemon thread; reads the others'
     to name the ranks a failed collective lost (see the module docstring)."""
 
-    def __init__(self, cluster: ClusterEnvironment, roster: Roster, prefix: str, timeout: timedelta):
+    def __init__(self, cluster: ClusterEnvironment, roster: Roster, prefix: str):
         self.cluster, self.roster = cluster, roster
-        self._store = dist.PrefixStore(prefix, _store(cluster, timeout, server=False))  # its own connection
+        # Its own connection, with a short timeout: a beat never blocks for long on a lost store.
+        self._store = dist.PrefixStore(prefix, _store(cluster, timedelta(seconds=10 * HEARTBEAT_S), server=False))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="dream-trainer-heartbeat", daemon=True)
         self._thread.start()

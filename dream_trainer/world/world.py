@@ -163,7 +163,7 @@ class DistributedWorld:
                 store, roster, prefix = roll_call(self.cluster, timeout)
                 dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size,
                                         timeout=timeout)
-                self._heartbeat = Heartbeat(self.cluster, roster, prefix, timeout)
+                self._heartbeat = Heartbeat(self.cluster, roster, prefix)
             self._owns_process_group = True
         elif dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
             raise RuntimeError(
