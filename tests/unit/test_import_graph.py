@@ -131,3 +131,8 @@ def test_the_cluster_environment_is_a_leaf():
     imports nothing of the house."""
     assert "dream_trainer.cluster" in GRAPH
     assert GRAPH["dream_trainer.cluster"] == set()
+
+
+def test_the_token_data_is_a_leaf():
+    """Token files and the global order are plain numpy: usable (and tested) without a trainer."""
+    assert GRAPH["dream_trainer.data.tokens"] == set()
