@@ -136,3 +136,4 @@ def test_the_cluster_environment_is_a_leaf():
 def test_the_token_data_is_a_leaf():
     """Token files and the global order are plain numpy: usable (and tested) without a trainer."""
     assert GRAPH["dream_trainer.data.tokens"] == set()
+    assert GRAPH["dream_trainer.data.prepare"] == {"dream_trainer.data.tokens"}

@@ -97,3 +97,17 @@ def test_a_global_batch_that_cannot_be_split_is_refused_with_the_sizes_that_woul
         split_global_batch(32, 2, micro_batch_size=3)
     with pytest.raises(ValueError, match="between 1 and the 10 samples"):
         GlobalOrder(n_samples=10, global_batch_size=16)
+
+
+def test_a_text_corpus_becomes_a_token_file_byte_level(tmp_path, capsys):
+    from dream_trainer.data.prepare import main
+
+    (tmp_path / "corpus.txt").write_text("héllo world\n\nsecond doc\nstill second\n\n\n", encoding="utf-8")
+    assert main([str(tmp_path / "corpus.txt"), str(tmp_path / "c.tokens"), "--eos", "256"]) == 0
+    assert "2 documents" in capsys.readouterr().out
+    tf = TokenFile(tmp_path / "c.tokens", dtype="uint16")
+    first = list("héllo world".encode()) + [256]
+    assert tf.tokens[:len(first)].tolist() == first
+    assert tf.offsets.tolist() == [0, len(first), len(first) + len("second doc\nstill second".encode()) + 1]
+    assert main([str(tmp_path / "corpus.txt"), str(tmp_path / "d.tokens"), "--tokenizer", "nope.json"]) == 2
+    assert "use 'bytes' or the path of a local tokenizer.json" in capsys.readouterr().err
