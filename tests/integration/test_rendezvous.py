@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -48,12 +47,10 @@ def _finish(procs: dict[int, subprocess.Popen[str]]) -> dict[int, str]:
 
 
 def test_a_rank_that_never_arrives_is_named_when_the_init_timeout_passes():
-    started = time.monotonic()
     procs = _ranks([0], _free_port(), "--init-timeout", "3")
-    out = _finish(procs)[0]
+    out = _finish(procs)[0]  # fails the test unless the rank ends within BOUND_S
     assert procs[0].returncode != 0
     assert "RendezvousError: 1 of 2 ranks did not arrive within 3 s (init_timeout_s): rank 1 (node 1)" in out, out[-2000:]
-    assert time.monotonic() - started < BOUND_S
 
 
 def test_a_missing_rank_zero_is_named_as_the_store_host():
