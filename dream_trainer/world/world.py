@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -21,50 +20,12 @@ from dream_trainer.configs import DeviceParameters
 from dream_trainer.world.memory import MemoryStatus, read_memory_status, reset_peak_memory
 from dream_trainer.world.plan import MESH_DIMS, MeshPlan, plan_mesh
 from dream_trainer.world.rendezvous import Heartbeat, is_communication_error, roll_call
+from dream_trainer.world.sockets import shutdown_sockets, socket_inodes
 
 logger = logging.getLogger(__name__)
 
 ReduceOp = Literal["sum", "mean", "max", "min"]
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
-def _socket_inodes() -> dict[str, int]:
-    """``{socket inode: fd}`` of this process's open sockets (Linux ``/proc``; else empty)."""
-    fds = "/proc/self/fd"
-    if not os.path.isdir(fds):
-        return {}
-    found = {}
-    for fd in os.listdir(fds):
-        try:
-            link = os.readlink(f"{fds}/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            found[link] = int(fd)
-    return found
-
-
-def _shutdown_sockets(inodes: set[str]) -> int:
-    """Shut down (without closing: their owners still hold the descriptors) the connected
-    TCP sockets among `inodes` that are still open; the peer sees the connection closed."""
-    released = 0
-    for inode, fd in _socket_inodes().items():
-        if inode not in inodes:
-            continue
-        try:
-            sock = socket.socket(fileno=fd)
-        except OSError:
-            continue
-        try:
-            if sock.type == socket.SOCK_STREAM:
-                sock.getpeername()  # connected only: a listener's shutdown would kill its thread
-                sock.shutdown(socket.SHUT_RDWR)
-                released += 1
-        except OSError:
-            pass
-        finally:
-            sock.detach()  # the descriptor stays with its owner
-    return released
 
 
 _GRAD_PLANS_KEPT = 8
@@ -149,7 +110,7 @@ class DistributedWorld:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         timeout = timedelta(seconds=self.device_parameters.init_timeout_s)
-        before = _socket_inodes()
+        before = socket_inodes()
         if not dist.is_initialized():
             if self.cluster.source == "slurm":
                 self.cluster.export()  # srun's ranks, in the variables env:// reads
@@ -189,12 +150,12 @@ class DistributedWorld:
         """Remember the sockets opened since `before` (this process's connections to its
         peers) when this world owns the process group: `teardown(abort=True)` shuts them."""
         if self._owns_process_group:
-            self._sockets |= _socket_inodes().keys() - before.keys()
+            self._sockets |= socket_inodes().keys() - before.keys()
 
     def new_group(self, **kwargs: Any) -> Any:
         """``torch.distributed.new_group(**kwargs)`` (every rank must call it), owned by the
         world: it gets the world's current timeout and is released by `teardown`."""
-        before = _socket_inodes()
+        before = socket_inodes()
         group = dist.new_group(**kwargs)
         self._track_sockets(before)
         if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
@@ -247,7 +208,7 @@ class DistributedWorld:
             except Exception:  # noqa: BLE001 - teardown must not mask the original error
                 logger.exception("destroying the process group failed")
         if abort and self._sockets:
-            released = _shutdown_sockets(self._sockets)
+            released = shutdown_sockets(self._sockets)
             logger.info("released %d connection(s) to peer ranks", released)
         self._sockets = set()
         self._owns_process_group = False
