@@ -46,7 +46,7 @@ _NAME = re.compile(r"^step_(\d+)$")
 _RANK_KEYS = "ranks."  # per-rank entries: present only for the ranks that wrote them
 # A callback new in this run has nothing to load; older checkpoints have no list of saved
 # callbacks and no skip counters.
-_OPTIONAL_KEYS = ("callbacks.", "trainer.callbacks", "trainer.skipped_")
+_OPTIONAL_KEYS = ("callbacks.", "trainer.callbacks", "trainer.skipped_", "trainer.data", "trainer.accumulation")
 
 
 @runtime_checkable

@@ -83,7 +83,15 @@ class TrainingParameters:
             `trainer.total_steps` (progress, ETA, a schedule's length). It never ends an
             epoch (`train_steps_per_epoch` does) and is ignored when the length is known.
         val_steps_per_epoch: batches per validation run (None: the whole loader).
-        gradient_accumulation_steps: micro-batches per optimizer step.
+        gradient_accumulation_steps: micro-batches per optimizer step (derived instead when
+            `global_batch_size` is set; leave it at 1 then).
+        global_batch_size: samples per optimizer step over all data-parallel ranks. Set, the
+            accumulation is derived from the data-parallel size when the world is up
+            (``global_batch_size / (dp_size * micro_batch_size)``, `trainer.gradient_accumulation_steps`),
+            so another world size, HSDP layout or quorum keeps the global batch; a size that
+            cannot be split is refused, naming the sizes that can. See `TokenLoader`.
+        micro_batch_size: samples per forward pass on one rank (needs `global_batch_size`).
+            None: one micro-batch per rank and step.
         gradient_clip_val: clip the global gradient norm to this value (None: no clipping).
         val_every_n_steps: validate every N optimizer steps (None: only at epoch end).
         validate_at_epoch_end: validate after every epoch.
@@ -100,6 +108,8 @@ class TrainingParameters:
     train_steps_per_epoch_hint: int | None = None
     val_steps_per_epoch: int | None = None
     gradient_accumulation_steps: int = 1
+    global_batch_size: int | None = None
+    micro_batch_size: int | None = None
     gradient_clip_val: float | None = None
     val_every_n_steps: int | None = None
     validate_at_epoch_end: bool = True
@@ -117,6 +127,9 @@ class TrainingParameters:
         _positive_int(owner, "train_steps_per_epoch_hint", self.train_steps_per_epoch_hint, allow_none=True)
         _positive_int(owner, "val_steps_per_epoch", self.val_steps_per_epoch, allow_none=True)
         _positive_int(owner, "gradient_accumulation_steps", self.gradient_accumulation_steps)
+        _positive_int(owner, "global_batch_size", self.global_batch_size, allow_none=True)
+        _positive_int(owner, "micro_batch_size", self.micro_batch_size, allow_none=True)
+        self._check_batch_sizes(owner)
         _positive_int(owner, "val_every_n_steps", self.val_every_n_steps, allow_none=True)
         _positive_int(owner, "num_sanity_val_steps", self.num_sanity_val_steps, allow_zero=True)
         clip = self.gradient_clip_val
@@ -129,6 +142,20 @@ class TrainingParameters:
                 f"{owner}.scheduler_monitor={self.scheduler_monitor!r} is invalid: expected a metric name "
                 "(e.g. 'val/loss') or None"
             )
+
+    def _check_batch_sizes(self, owner: str) -> None:
+        gbs, micro = self.global_batch_size, self.micro_batch_size
+        if micro is not None and gbs is None:
+            raise ValueError(f"{owner}.micro_batch_size={micro} needs global_batch_size (the samples of one optimizer "
+                             "step over all data-parallel ranks)")
+        if gbs is not None and self.gradient_accumulation_steps != 1:
+            raise ValueError(f"{owner}: gradient_accumulation_steps={self.gradient_accumulation_steps} with "
+                             f"global_batch_size={gbs}: the accumulation is derived from the global batch, the "
+                             "micro-batch and the data-parallel size; set micro_batch_size instead")
+        if gbs is not None and micro is not None and (micro > gbs or gbs % micro):
+            sizes = [m for m in range(1, gbs + 1) if gbs % m == 0]
+            raise ValueError(f"{owner}.micro_batch_size={micro} does not divide global_batch_size={gbs}; "
+                             f"micro-batch sizes that do: {sizes}")
 
 
 @dataclass(kw_only=True)

@@ -23,6 +23,7 @@ share it.
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -45,13 +46,14 @@ class TokenFileError(ValueError):
 
 def write_tokens(path: str | Path, documents: Iterable[Sequence[int] | np.ndarray], dtype: str = "uint16") -> Path:
     """Write `documents` (token id sequences) as one token file; returns its path. `dtype`:
-    ``"uint16"`` (vocabularies up to 65,536) or ``"uint32"``. Written to a temporary name and
-    renamed, so a reader never sees a partial file."""
+    ``"uint16"`` (vocabularies up to 65,536) or ``"uint32"``. Written to a temporary name of
+    this process and renamed, so a reader never sees a partial file (and ranks writing the
+    same file at once do not mix their writes)."""
     if dtype not in _NAMES:
         raise ValueError(f"write_tokens(dtype={dtype!r}): use one of {sorted(_NAMES)}")
     np_dtype = _DTYPES[_NAMES[dtype]]
     path = Path(path)
-    tmp = path.with_name(path.name + ".partial")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
     offsets = [0]
     with tmp.open("wb") as f:
         f.write(b"\0" * _HEADER.size)
@@ -157,15 +159,17 @@ def split_global_batch(global_batch_size: int, dp_size: int, micro_batch_size: i
 @dataclass
 class GlobalOrder:
     """The run's sample order and position: one permutation of `n_samples` per epoch, from
-    ``(seed, epoch)``, and a cursor (`epoch`, `consumed` samples of it) that is the same on
-    every rank. A global batch that would run past the end of an epoch starts the next one
-    (the remainder is dropped: every global batch has the same size)."""
+    ``(seed, epoch)`` (``shuffle=False``: the file's order), and a cursor (`epoch`, `consumed`
+    samples of it) that is the same on every rank. A global batch that would run past the end
+    of an epoch starts the next one (the remainder is dropped: every global batch has the
+    same size)."""
 
     n_samples: int
     global_batch_size: int
     seed: int = 0
     epoch: int = 0
     consumed: int = 0
+    shuffle: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.global_batch_size <= self.n_samples:
@@ -176,15 +180,30 @@ class GlobalOrder:
     def order(self, epoch: int) -> np.ndarray:
         """The permutation of epoch `epoch` (the same on every machine: numpy's PCG64)."""
         if self._order is None or self._order[0] != epoch:
-            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n_samples))
+            rng = np.random.default_rng([self.seed, epoch])
+            self._order = (epoch, rng.permutation(self.n_samples) if self.shuffle else np.arange(self.n_samples))
         return self._order[1]
+
+    def has_batch(self) -> bool:
+        """Whether the cursor's epoch has a whole global batch left."""
+        return self.consumed + self.global_batch_size <= self.n_samples
+
+    def peek(self) -> np.ndarray:
+        """The sample ids of the global batch at the cursor (moved to the next epoch first
+        when this one is used up); the cursor stays."""
+        if not self.has_batch():
+            self.epoch, self.consumed = self.epoch + 1, 0
+        return self.order(self.epoch)[self.consumed:self.consumed + self.global_batch_size]
+
+    def advance(self) -> None:
+        """Move the cursor past the global batch `peek` returns."""
+        self.peek()
+        self.consumed += self.global_batch_size
 
     def next_global_batch(self) -> np.ndarray:
         """The sample ids of the next global batch; advances the cursor."""
-        if self.consumed + self.global_batch_size > self.n_samples:
-            self.epoch, self.consumed = self.epoch + 1, 0
-        batch = self.order(self.epoch)[self.consumed:self.consumed + self.global_batch_size]
-        self.consumed += self.global_batch_size
+        batch = self.peek()
+        self.advance()
         return batch
 
     def step_samples(self, dp_rank: int, dp_size: int, micro_batch_size: int | None = None) -> list[np.ndarray]:
@@ -198,7 +217,7 @@ class GlobalOrder:
     def state_dict(self) -> dict[str, int]:
         """The position: plain integers, independent of the number of ranks."""
         return {"seed": self.seed, "epoch": self.epoch, "consumed": self.consumed, "n_samples": self.n_samples,
-                "global_batch_size": self.global_batch_size}
+                "global_batch_size": self.global_batch_size, "shuffle": int(self.shuffle)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Seek to a saved position (no batch is replayed). The corpus must be the same size."""
@@ -206,3 +225,5 @@ class GlobalOrder:
             raise ValueError(f"the saved data position is over {state['n_samples']} samples, this corpus has "
                              f"{self.n_samples}: not the same data")
         self.seed, self.epoch, self.consumed = int(state["seed"]), int(state["epoch"]), int(state["consumed"])
+        self.shuffle = bool(state.get("shuffle", self.shuffle))
+        self._order = None

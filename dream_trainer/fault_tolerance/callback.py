@@ -139,20 +139,22 @@ class FaultToleranceCallback(Callback[BaseTrainer]):
     def post_setup(self) -> None:
         trainer = self.trainer
         sampler = getattr(trainer.train_dataloader, "batch_sampler", None)
-        accumulation = trainer.training_parameters.gradient_accumulation_steps
+        accumulation = trainer.gradient_accumulation_steps
+        loader = trainer.train_dataloader
         if isinstance(sampler, FaultTolerantSampler):
             if sampler.micro_batches != accumulation:
                 raise ValueError(
-                    f"FaultTolerantSampler(micro_batches={sampler.micro_batches}) but TrainingParameters."
-                    f"gradient_accumulation_steps={accumulation}: they must be equal"
+                    f"FaultTolerantSampler(micro_batches={sampler.micro_batches}) but the trainer accumulates "
+                    f"{accumulation} micro-batch(es) per step (gradient_accumulation_steps): they must be equal"
                 )
-            if getattr(trainer.train_dataloader, "num_workers", 0):
+            if getattr(loader, "num_workers", 0):
                 raise ValueError("FaultTolerantSampler needs DataLoader(num_workers=0): workers prefetch indices "
                                  "before the step's quorum decides who takes which data")
-        else:
+        elif getattr(loader, "follows_quorum", False) is not True:
             logger.warning(
-                "the training data does not come from a FaultTolerantSampler: it will not follow the quorum (when "
-                "groups leave or join, samples are repeated or skipped, and a healed group's loader does not move)"
+                "the training data comes from neither a TokenLoader nor a FaultTolerantSampler: it will not follow "
+                "the quorum (when groups leave or join, samples are repeated or skipped, and a healed group's loader "
+                "does not move)"
             )
         if trainer.train_steps_per_epoch is None:
             raise ValueError("FaultToleranceCallback needs a training loader with a length (or FaultTolerantSampler): "

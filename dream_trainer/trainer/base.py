@@ -140,6 +140,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
                 f"the training dataloader is empty (len 0 on at least one rank; dp_rank={self.world.dp_rank}, "
                 f"dp_size={self.world.dp_size}): give every data-parallel rank at least one batch"
             )
+        self._check_loader_batches()
         if self.val_dataloader is not None:
             self.val_steps_per_epoch = self._agreed_length(self.val_dataloader, training.val_steps_per_epoch, "val")
         if not self.world.global_agreement((self.seed, self.train_steps_per_epoch)):
@@ -195,6 +196,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         cb.initialize(self)
         cb.pre_launch()
         self.world.launch()
+        self._plan_batches()  # global_batch_size: the accumulation for this world
         self._agree_on_run_identity()
         self._control_point()
         if self.seed is not None:
@@ -349,18 +351,20 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         training, cb, log_ = self.config.training_parameters, self.callbacks, self.metric_log
         step, max_steps = self.global_step + 1, training.max_steps
         self.local_batches = batch_idx + 1
-        accumulating = not is_last and (batch_idx + 1) % training.gradient_accumulation_steps != 0
+        accumulating = not is_last and (batch_idx + 1) % self.gradient_accumulation_steps != 0
         self.is_accumulating_gradients = accumulating
         self.is_last_batch = is_last or (not accumulating and max_steps is not None and step >= max_steps)
-        kind = 0 if accumulating else self._log_step_kind(step)
+        log_kind = self._log_step_kind(step)
+        kind = 0 if accumulating else log_kind
         log_.gate = kind > 0
         self._batch_arrived(batch, step)
         if self.world.device.type != "cpu":
             batch = to_device(batch, self.world.device)
         skipped, result, loss = self._train_batch(batch, batch_idx, accumulating)
+        means = self._step_means(step, result, accumulating) if log_kind == 2 and not skipped else None
         step_skipped = not accumulating and self._end_step()
         log = kind > 0 and not step_skipped
-        own = self._own_step_metrics(result) if kind == 2 and log and not skipped else {}
+        own = self._own_step_metrics(means) if kind == 2 and log and means is not None else {}
         if not skipped:
             cb.post_train_step(result, batch_idx)
         if not accumulating:

@@ -8,6 +8,7 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from dream_trainer.data.tokens import split_global_batch
 from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.trainer.data_position import DataPosition, is_stateful
 
@@ -45,6 +46,35 @@ class DataMixin(AbstractTrainer):
 
     # ------------------------------------------------------------------ the plan
     @property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step: derived from ``global_batch_size`` for this
+        world (once it is up), else ``TrainingParameters.gradient_accumulation_steps``."""
+        derived = self.data_position.accumulation_steps
+        return self.training_parameters.gradient_accumulation_steps if derived is None else derived  # type: ignore[attr-defined]
+
+    def _plan_batches(self) -> None:
+        """With ``global_batch_size``: the micro-batch and the accumulation for this world's
+        data-parallel size (refused, naming the sizes that work, before anything is built)."""
+        training = self.training_parameters  # type: ignore[attr-defined]
+        if training.global_batch_size is None:
+            return
+        micro, accumulation = split_global_batch(training.global_batch_size, self.world.dp_size, training.micro_batch_size)
+        self.data_position.micro_batch_size, self.data_position.accumulation_steps = micro, accumulation
+        logger.info("global batch %d = %d data-parallel rank(s) x micro-batch %d x %d accumulation step(s)",
+                    training.global_batch_size, self.world.dp_size, micro, accumulation)
+
+    def _check_loader_batches(self) -> None:
+        """A loader that splits global batches itself (`TokenLoader`) must split them as the
+        trainer accumulates."""
+        loader, accumulation = self.train_dataloader, self.gradient_accumulation_steps
+        theirs = getattr(loader, "accumulation_steps", None)
+        if getattr(loader, "global_position", False) is True and theirs is not None and theirs != accumulation:
+            raise ValueError(
+                f"the training loader ({type(loader).__name__}) splits each global batch into {theirs} micro-batch(es) "
+                f"per rank, the trainer accumulates {accumulation}: make it with TokenLoader.for_trainer(self, ...) "
+                "(or set TrainingParameters.global_batch_size/micro_batch_size to the loader's)")
+
+    @property
     def total_steps(self) -> int | None:
         """The optimizer steps the whole fit is planned to take, counted from step 0 (also
         after a resume): ``max_steps``, or ``n_epochs`` x the optimizer steps per epoch, the
@@ -64,7 +94,7 @@ class DataMixin(AbstractTrainer):
         by_epochs = None
         batches = self.data_position.planned_epoch_batches(training.train_steps_per_epoch_hint)
         if training.n_epochs is not None and batches is not None:
-            by_epochs = training.n_epochs * -(-batches // training.gradient_accumulation_steps)
+            by_epochs = training.n_epochs * -(-batches // self.gradient_accumulation_steps)
         candidates = [n for n in (training.max_steps, by_epochs) if n is not None]
         return min(candidates) if candidates else None
 
@@ -96,8 +126,7 @@ class DataMixin(AbstractTrainer):
         return _with_last(iterator, remaining, snapshot)
 
     def _announce_batch(self) -> None:
-        accumulation = self.training_parameters.gradient_accumulation_steps  # type: ignore[attr-defined]
-        self.world.before_batch(starts_step=self.local_batches % accumulation == 0)
+        self.world.before_batch(starts_step=self.local_batches % self.gradient_accumulation_steps == 0)
 
     def _agreed_length(self, loader: Iterable[Any], configured: int | None, what: str) -> int | None:
         """The epoch length every rank uses: the configured one, else the smallest

@@ -3,6 +3,9 @@ as ``trainer.data_position``.
 
 The data position of a rank (saved under ``ranks.rank<N>.data``):
 
+- a loader whose position is the run's (``global_position = True``, e.g. `TokenLoader`:
+  one cursor, the same on every rank) is saved once per run instead, under
+  ``trainer.data``, and loads into any number of ranks;
 - a stateful loader (torchdata's ``StatefulDataLoader``, anything with ``state_dict``),
   or a loader whose batch sampler is stateful (`FaultTolerantSampler`), saves and restores
   its own position;
@@ -34,6 +37,12 @@ def state_owner(loader: Any) -> Any:
         if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
             return obj
     return None
+
+
+def is_global(owner: Any) -> bool:
+    """Whether a position owner (see `state_owner`) holds the run's position, the same on
+    every rank (``global_position = True``)."""
+    return owner is not None and getattr(owner, "global_position", False) is True
 
 
 def is_stateful(loader: Any) -> bool:
@@ -68,6 +77,9 @@ class DataPosition:
         epoch_complete: the current epoch ran to its end (a resume starts the next one).
         iterating: an epoch's batches are being iterated: a restore now happens between two
             steps of the running loop (a torchft heal).
+        accumulation_steps: micro-batches per optimizer step derived from
+            ``TrainingParameters.global_batch_size`` for this world (None: not derived).
+        micro_batch_size: samples per rank and forward pass so derived.
     """
 
     def __init__(self) -> None:
@@ -83,6 +95,8 @@ class DataPosition:
         self._snapshot: Any = None  # a stateful loader's position before its one-batch lookahead
         self.loader_restored = False  # a stateful loader restored its own position (no fast-forward)
         self.iterating = False  # an epoch's batches are being iterated (a restore now is between two steps)
+        self.accumulation_steps: int | None = None
+        self.micro_batch_size: int | None = None
 
     def planned_epoch_batches(self, hint: int | None) -> int | None:
         """Batches per training epoch for a plan: the agreed length, else the loader's,
@@ -124,6 +138,8 @@ class DataPosition:
         """This rank's position in `loader` (see the module docstring); `mid_epoch`: batches
         of an unfinished epoch were consumed."""
         owner = state_owner(loader)
+        if is_global(owner):
+            return {"run": True}  # saved once for the run: `run_state`
         if owner is not None:
             return {"loader": self._snapshot if self._snapshot is not None else owner.state_dict()}
         return {"epoch_start": self._epoch_start if mid_epoch else None,
@@ -137,7 +153,10 @@ class DataPosition:
         gets its generators' states now. `rng`: the saved step's RNG, set now unless the
         epoch's iterator is made again mid-epoch (then after it, see `apply_resume_rng`)."""
         owner = state_owner(loader)
-        if position.get("loader") is not None and owner is not None:
+        if position.get("run") and not is_global(owner):
+            logger.warning("the checkpoint's data position is a run position (a TokenLoader's), this run's training "
+                           "loader is a %s: it starts from its beginning", type(loader).__name__)
+        if position.get("loader") is not None and owner is not None and not is_global(owner):
             owner.load_state_dict(position["loader"])
             self.loader_restored = True
         elif position.get("epoch_start") is not None and mid_epoch:
@@ -150,6 +169,25 @@ class DataPosition:
             self._resume_rng = rng  # the iterator made again may draw from the RNG: set after it
         else:
             set_rng_state(rng)
+
+    def run_state(self, loader: Any) -> dict[str, Any] | None:
+        """The position of a loader whose position is the run's (see `is_global`), saved
+        once per run; None for any other loader."""
+        owner = state_owner(loader)
+        return owner.state_dict() if is_global(owner) else None
+
+    def load_run_state(self, state: dict[str, Any] | None, loader: Any) -> None:
+        """Restore a `run_state` (it seeks: nothing is fast-forwarded). None (a checkpoint
+        without one) for a loader that has one: warned, the loader is fast-forwarded."""
+        owner = state_owner(loader)
+        if not is_global(owner):
+            return
+        if state is None:
+            logger.warning("the checkpoint holds no run data position (written with another loader or an older "
+                           "dream_trainer): the %s is fast-forwarded by the batches consumed", type(loader).__name__)
+            return
+        owner.load_state_dict(state)
+        self.loader_restored = True
 
 
 def _set_epoch_start(loader: Any, state: dict[str, Any]) -> None:

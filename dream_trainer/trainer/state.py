@@ -3,7 +3,9 @@
 A mixin of `BaseTrainer` (no ``__init__``; its attributes are set there). What it holds:
 
 - ``trainer``: counters (global step, epoch, batches consumed in the epoch, whether the
-  epoch had finished, the step of the last validation);
+  epoch had finished, the step of the last validation, the accumulation they count in) and
+  the run's data position when the loader keeps one (`TokenLoader`: the same on every rank,
+  so it loads into any world size; a changed accumulation converts the batch counter);
 - ``models`` / ``optimizers``: DCP state-dict helpers, so FSDP2/TP shards are DTensors and
   load into any layout;
 - ``schedulers`` and ``callbacks`` (by name; ``callbacks`` holds one copy for all ranks,
@@ -71,7 +73,10 @@ class StateMixin(AbstractTrainer):
         }
 
     def _counters(self) -> dict[str, Any]:
+        run_position = self.data_position.run_state(self.train_dataloader)
         return {
+            **({} if run_position is None else {"data": dumps(run_position, "run data position")}),
+            "accumulation": self.gradient_accumulation_steps,
             "global_step": self.global_step,
             "current_epoch": self.current_epoch,
             "local_batches": self.local_batches,
@@ -108,6 +113,8 @@ class StateMixin(AbstractTrainer):
         self._load_modules(state, strict)
         counters = state["trainer"]
         self._load_counters(counters)
+        run_position = loads(counters["data"], "the run data position") if "data" in counters else None
+        self.data_position.load_run_state(run_position, self.train_dataloader)
         mine = state.get("ranks", {}).get(self.rank_key)
         callbacks = dict(state.get("callbacks", {}))
         if mine is not None:
@@ -120,10 +127,12 @@ class StateMixin(AbstractTrainer):
             warn_absent_callbacks(absent, self.callbacks.names())
         self.callbacks.load_state_dict({name: value for name, value in callbacks.items() if name in self.callbacks})
         if mine is None:
+            data = ("the run's data position restored" if run_position is not None else
+                    f"skipping {self.local_batches} batches of epoch {self.current_epoch}")
             logger.warning(
                 "the checkpoint has no RNG state, data position or own callback state for %s (written by fewer "
-                "ranks?): continuing from the seeded RNG, skipping %d batches of epoch %d, callbacks restored "
-                "from the shared copy", self.rank_key, self.local_batches, self.current_epoch,
+                "ranks?): continuing from the seeded RNG, %s, callbacks restored from the shared copy",
+                self.rank_key, data,
             )
             return
         self._load_rank_state(mine)
@@ -151,7 +160,7 @@ class StateMixin(AbstractTrainer):
     def _load_counters(self, counters: dict[str, Any]) -> None:
         self.global_step = int(counters["global_step"])
         self.current_epoch = int(counters["current_epoch"])
-        self.local_batches = int(counters["local_batches"])
+        self.local_batches = self._converted_batches(int(counters["local_batches"]), counters)
         last_val = int(counters.get("last_val_step", -1))
         self._last_val_step = None if last_val < 0 else last_val
         self.step_path.load_state_dict(counters)
@@ -159,6 +168,20 @@ class StateMixin(AbstractTrainer):
             self.current_epoch += 1
             self.local_batches = 0
         self.resumed = self.global_step > 0 or self.current_epoch > 0
+
+    def _converted_batches(self, batches: int, counters: dict[str, Any]) -> int:
+        """The epoch's consumed micro-batches in this run's accumulation (the saved run's may
+        differ: another data-parallel size under one ``global_batch_size``)."""
+        saved, now = int(counters.get("accumulation", self.gradient_accumulation_steps)), self.gradient_accumulation_steps
+        if saved == now:
+            return batches
+        steps, within = divmod(batches, saved)
+        if within:
+            raise ValueError(f"the checkpoint was taken {within} micro-batch(es) into a step of {saved}; this run "
+                             f"accumulates {now} (another data-parallel size): resume from a step boundary")
+        logger.info("the checkpoint accumulated %d micro-batch(es) per step, this run %d: %d step(s) of the epoch done",
+                    saved, now, steps)
+        return steps * now
 
     def _load_rank_state(self, mine: dict[str, Any]) -> None:
         position = loads(mine["data"], f"the data position of {self.rank_key}")

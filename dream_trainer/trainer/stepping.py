@@ -68,7 +68,7 @@ class StepMixin(AbstractTrainer):
 
     # ------------------------------------------------------------------ user API
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward()``, scaled by 1/gradient_accumulation_steps when accumulating.
+        """``loss.backward()``, scaled by 1/`gradient_accumulation_steps` when accumulating.
         With a callback that ``recovers_errors``, the ranks first agree that no rank's
         ``training_step`` failed before its backward (see `on_train_step_error`)."""
         path = self.step_path
@@ -78,7 +78,7 @@ class StepMixin(AbstractTrainer):
                 raise _PeerStepFailed()
         if path.backward_loss_wanted:  # a monitor decides on this step's loss before its update
             path.stats.add_backward(loss)
-        accumulation = self.config.training_parameters.gradient_accumulation_steps
+        accumulation = self.gradient_accumulation_steps
         if accumulation > 1:
             loss = loss / accumulation
         loss.backward(**kwargs)

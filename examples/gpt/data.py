@@ -1,6 +1,8 @@
-"""Synthetic character-level data for the tiny GPT demo (no downloads).
+"""Synthetic data for the tiny GPT demo (no downloads).
 
-The corpus comes from a small probabilistic grammar with learnable structure:
+`prepare_token_files` writes the generated corpus as text and turns it into byte-level token
+files with ``dream_trainer.data.prepare`` (what ``python -m dream_trainer.data.prepare`` does
+for any corpus); the demo trains from those. The corpus comes from a small probabilistic grammar with learnable structure:
 subject/verb number agreement ("the dog sees" / "the dogs see"), determiners
 and adjectives, optional prepositional phrases, capitalization, punctuation,
 and small arithmetic facts ("three plus four is seven.").
@@ -8,7 +10,9 @@ and small arithmetic facts ("three plus four is seven.").
 
 from __future__ import annotations
 
+import os
 import random
+from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
@@ -144,3 +148,38 @@ def make_datasets(
     train = TokenWindows(data[: len(data) - n_val], block_size)
     val = TokenWindows(data[len(data) - n_val :], block_size)
     return train, val, tok
+
+
+class ByteTokenizer:
+    """Byte-level: a text's UTF-8 bytes are its tokens (the default of ``dream_trainer.data.prepare``)."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+def prepare_token_files(directory: str | Path, n_chars: int = 400_000, val_fraction: float = 0.1,
+                        seed: int = 0) -> tuple[Path, Path]:
+    """``(train, validation)`` token files of the generated corpus in `directory` (made
+    once; every rank may call it at once: each file is written under a name of its own
+    process and renamed). The first ``1 - val_fraction`` of the text trains, the rest
+    validates."""
+    from dream_trainer.data.prepare import prepare
+
+    directory = Path(directory) / f"corpus-{n_chars}-{seed}"
+    paths = directory / "train.tokens", directory / "val.tokens"
+    if all(path.is_file() for path in paths):
+        return paths
+    directory.mkdir(parents=True, exist_ok=True)
+    text = generate_corpus(n_chars, seed=seed)
+    split = len(text) - int(len(text) * val_fraction)
+    for part, path in zip((text[:split], text[split:]), paths):
+        source = path.with_suffix(f".{os.getpid()}.txt")
+        source.write_text(part, encoding="utf-8")
+        prepare(source, path)  # bytes; one document (the corpus has no blank lines)
+        source.unlink()
+    return paths

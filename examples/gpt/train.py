@@ -5,7 +5,10 @@
     torchrun --nproc_per_node 2 examples/gpt/train.py # 2 ranks under torchrun (DDP over gloo on CPU)
     torchrun --nproc_per_node 2 examples/gpt/train.py --parallel fsdp   # or tp; --compile
 
-Metrics go to ``runs/gpt/<run>/logs`` (TensorBoard event files and metrics.jsonl),
+The corpus is generated, written as text and turned into byte-level token files (what
+``python -m dream_trainer.data.prepare`` does for any corpus) under ``runs/data``; the demo
+trains from them with a `TokenLoader` (its position is the run's: a checkpoint resumes on
+any number of ranks, with the same global batch). Metrics go to ``runs/gpt/<run>/logs`` (TensorBoard event files and metrics.jsonl),
 checkpoints to ``runs/gpt/<run>/checkpoints`` (every 50 steps, async). Stop a run with
 Ctrl-C or SIGTERM: it saves at the next step boundary and exits with status 75; run it
 again with the same ``--run-name`` and it resumes where it stopped.
@@ -14,7 +17,6 @@ again with the same ``--run-name`` and it resumes where it stopped.
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import sys
 import time
@@ -27,7 +29,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from data import make_datasets  # noqa: E402
+from data import ByteTokenizer, prepare_token_files  # noqa: E402
 from model import GPT, GPTConfig, lm_loss  # noqa: E402
 
 from dream_trainer import (  # noqa: E402
@@ -43,19 +45,20 @@ from dream_trainer import (  # noqa: E402
     TrainingParameters,
     entrypoint,
 )
+from dream_trainer.data import TokenDataset, TokenLoader  # noqa: E402
 
 
 class GPTTrainer(DreamTrainer):
-    """Character-level GPT: model on meta, AdamW, warmup + cosine, sharded data."""
+    """Byte-level GPT: model on meta, AdamW, warmup + cosine, token files shared by the world."""
 
     experiment = "gpt"  # runs go to <root>/gpt/<run name>
 
     def __init__(self, config: TrainerConfig, args: argparse.Namespace):
         super().__init__(config)
         self.args = args
-        self.train_set, self.val_set, self.tokenizer = make_datasets(
-            n_chars=args.n_chars, block_size=args.block_size, seed=0
-        )
+        self.train_file, self.val_file = prepare_token_files(Path(args.data_dir or Path(args.root_dir) / "data"),
+                                                             n_chars=args.n_chars)
+        self.tokenizer = ByteTokenizer()
         self.gpt_config = GPTConfig(
             vocab_size=self.tokenizer.vocab_size,
             block_size=args.block_size,
@@ -115,29 +118,16 @@ class GPTTrainer(DreamTrainer):
 
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
 
-    def configure_dataloaders(self) -> tuple[DataLoader[Any], DataLoader[Any]]:
-        world = self.world
-        per_rank = max(1, self.args.batch_size // world.dp_size)
-        if self.args.ft_group is not None:  # fault tolerant: the training data follows the quorum
-            from dream_trainer.fault_tolerance import FaultTolerantSampler
-
-            sampler = FaultTolerantSampler(self.train_set, per_rank, world, seed=self.seed or 0)
-            delay = self.args.data_delay_ms / 1000
-            train = DataLoader(self.train_set, batch_sampler=sampler,
-                               collate_fn=functools.partial(_slow_collate, delay) if delay else None)
-            val = DataLoader(self.val_set, batch_size=per_rank,
-                             sampler=DistributedSampler(self.val_set, world.dp_size, world.dp_rank, shuffle=False))
-            return train, val
-
-        def loader(dataset: Any, shuffle: bool) -> DataLoader[Any]:
-            sampler = DistributedSampler(
-                dataset, num_replicas=world.dp_size, rank=world.dp_rank, shuffle=shuffle, seed=self.seed or 0
-            )
-            delay = self.args.data_delay_ms / 1000 if shuffle else 0.0
-            return DataLoader(dataset, batch_size=per_rank, sampler=sampler, drop_last=shuffle,
-                              collate_fn=functools.partial(_slow_collate, delay) if delay else None)
-
-        return loader(self.train_set, True), loader(self.val_set, False)
+    def configure_dataloaders(self) -> tuple[Any, DataLoader[Any]]:
+        """Training: this rank's share of each global batch (``--batch-size``), in the run's
+        order; under fault tolerance the global batch is split over the quorum's groups.
+        Validation: the held-out windows, in order, split over the data-parallel ranks."""
+        train: Any = TokenLoader.for_trainer(self, self.train_file, self.args.block_size)
+        if self.args.data_delay_ms:
+            train = _Slow(train, self.args.data_delay_ms / 1000)
+        val_set = TokenDataset(self.val_file, self.args.block_size)
+        sampler = DistributedSampler(val_set, self.world.dp_size, self.world.dp_rank, shuffle=False)
+        return train, DataLoader(val_set, batch_size=train.micro_batch_size, sampler=sampler)
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         x, y = batch
@@ -151,10 +141,23 @@ class GPTTrainer(DreamTrainer):
         return {"loss": lm_loss(self.model(x), y)}
 
 
-def _slow_collate(delay: float, samples: list[Any]) -> Any:
-    """`--data-delay-ms`: a data pipeline that takes `delay` seconds per batch."""
-    time.sleep(delay)
-    return torch.utils.data.default_collate(samples)
+class _Slow:
+    """`--data-delay-ms`: a data pipeline that takes `delay` seconds per batch (the loader's
+    position, length and epochs are the wrapped loader's)."""
+
+    def __init__(self, loader: TokenLoader, delay: float):
+        self.loader, self.delay = loader, delay
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Any:
+        for batch in self.loader:
+            time.sleep(self.delay)
+            yield batch
 
 
 class ValidationHistory(Callback[DreamTrainer]):
@@ -181,13 +184,17 @@ PARALLEL = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=250, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=32, help="global batch size (split over data-parallel ranks)")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="global batch size: samples per optimizer step over all data-parallel ranks (and replica groups)")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="samples per forward pass on one rank (default: the rank's whole share; smaller: accumulation)")
     p.add_argument("--lr", type=float, default=6e-3)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--val-every", type=int, default=50)
     p.add_argument("--log-every", type=int, default=10, help="log training metrics every N steps")
     p.add_argument("--val-batches", type=int, default=None, help="batches per validation (default: all)")
     p.add_argument("--n-chars", type=int, default=400_000, help="size of the generated corpus")
+    p.add_argument("--data-dir", default=None, help="where the corpus's token files are made (default: <root-dir>/data)")
     p.add_argument("--data-delay-ms", type=float, default=0.0,
                    help="make every training batch this much slower to load (a slow data pipeline, to see it found)")
     p.add_argument("--block-size", type=int, default=64)
@@ -238,6 +245,8 @@ def main(argv: list[str] | None = None, callbacks: list[Callback[Any]] | None = 
             max_steps=args.steps,
             val_every_n_steps=args.val_every,
             val_steps_per_epoch=args.val_batches,
+            global_batch_size=args.batch_size,
+            micro_batch_size=args.micro_batch_size,
             gradient_clip_val=1.0,
         ),
         logging_parameters=LoggingParameters(log_every_n_steps=args.log_every),

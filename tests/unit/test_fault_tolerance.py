@@ -465,7 +465,7 @@ def test_a_gradient_after_its_all_reduce_started_is_not_committed(tmp_path, ligh
 
 @needs_torchft
 def test_sampler_settings_are_checked(tmp_path, lighthouse):
-    with pytest.raises(ValueError, match=r"micro_batches=1\) but TrainingParameters.gradient_accumulation_steps=2"):
+    with pytest.raises(ValueError, match=r"micro_batches=1\) but the trainer accumulates 2 micro-batch"):
         FTToy(_config(lighthouse.address, root=tmp_path, gradient_accumulation_steps=2), n_samples=64).fit()
     with pytest.raises(ValueError, match=r"needs DataLoader\(num_workers=0\)"):
         FTToy(_config(lighthouse.address, root=tmp_path), workers=1, n_samples=64).fit()

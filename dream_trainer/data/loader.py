@@ -1,0 +1,223 @@
+"""`TokenLoader`: a stateful loader over a token file whose position belongs to the run, not
+to a rank; `TokenDataset`: the same samples as a map-style dataset (e.g. for validation).
+
+The loader yields this rank's micro-batches of each global batch of the run's order (see
+`dream_trainer.data.tokens.GlobalOrder`): ``(inputs, targets)``, two ``int64`` tensors of
+shape ``(micro_batch_size, seq_len)`` (with ``return_ids=True`` a third: the sample ids).
+Its position is one cursor (seed, epoch, samples consumed) that every rank holds alike; the
+trainer saves it once per run (``trainer.data`` in a checkpoint), so it loads into any
+number of ranks: a resume seeks to it, it never replays batches.
+
+Under fault tolerance (a world with a quorum, ``world.step_slot()``) the global batch stays
+the run's: each step's global batch is split evenly over the participating replica groups
+(the micro-batch shrinks as groups join, grows as they leave, the accumulation stays), and
+the cursor moves only when a step is committed: a step that is not committed is retried on
+the same samples, and a group that heals takes the cursor of the peer it heals from.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from dream_trainer.data.tokens import GlobalOrder, TokenFile, split_global_batch
+
+__all__ = ["TokenDataset", "TokenLoader"]
+
+logger = logging.getLogger(__name__)
+
+
+def _open(data: TokenFile | str | Path, dtype: str | None) -> TokenFile:
+    return data if isinstance(data, TokenFile) else TokenFile(data, dtype=dtype)
+
+
+def _gather(file: TokenFile, ids: np.ndarray, seq_len: int, mode: str, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, targets)`` of samples `ids`: one read of the memory map for windows."""
+    if mode == "windows":
+        rows = (ids.astype(np.int64) * seq_len)[:, None] + np.arange(seq_len + 1)
+        tokens = np.asarray(file.tokens[rows], dtype=np.int64)
+    else:
+        tokens = np.stack([file.sample(int(i), seq_len, mode, pad_id) for i in ids]) if len(ids) else \
+            np.empty((0, seq_len + 1), dtype=np.int64)
+    batch = torch.from_numpy(tokens)
+    return batch[:, :-1], batch[:, 1:]
+
+
+class TokenDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Sample ``i`` of a token file as ``(inputs, targets)`` (``seq_len`` tokens each): a
+    map-style dataset, for a ``DataLoader`` with a ``DistributedSampler`` (validation)."""
+
+    def __init__(self, data: TokenFile | str | Path, seq_len: int, *, mode: str = "windows", pad_id: int = 0,
+                 dtype: str | None = None):
+        self.file, self.seq_len, self.mode, self.pad_id = _open(data, dtype), seq_len, mode, pad_id
+        self._len = self.file.n_samples(seq_len, mode)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < self._len:
+            raise IndexError(f"sample {index} of {self._len}")
+        x, y = _gather(self.file, np.asarray([index]), self.seq_len, self.mode, self.pad_id)
+        return x[0], y[0]
+
+
+class TokenLoader:
+    """This rank's micro-batches of the run's global batches from a token file (see the
+    module docstring).
+
+    Args:
+        data: a `TokenFile` or its path.
+        seq_len: tokens per sample (each sample reads ``seq_len + 1``: inputs and targets).
+        global_batch_size: samples per optimizer step over all data-parallel ranks.
+        world: the trainer's world (``dp_rank``/``dp_size``; a fault-tolerant world's quorum).
+            Without one, `dp_rank` and `dp_size`.
+        micro_batch_size: samples per forward pass on one rank; the accumulation is
+            ``global_batch_size / (dp_size * micro_batch_size)``. None: one micro-batch per
+            rank and step.
+        seed: the order's seed. mode: ``"windows"`` or ``"documents"`` (see `TokenFile.sample`).
+        shuffle: False: the file's order (epoch after epoch).
+        return_ids: yield the sample ids as a third element.
+
+    Use `for_trainer` in ``configure_dataloaders``: it takes the global and micro-batch sizes
+    from ``TrainingParameters`` and the world and seed from the trainer.
+    """
+
+    global_position = True
+    """The trainer saves this loader's `state_dict` once per run, the same on every rank."""
+
+    NOMINAL_LENGTH = 2**62
+
+    def __init__(self, data: TokenFile | str | Path, seq_len: int, global_batch_size: int, *, world: Any = None,
+                 dp_rank: int = 0, dp_size: int = 1, micro_batch_size: int | None = None, seed: int = 0,
+                 mode: str = "windows", shuffle: bool = True, pad_id: int = 0, dtype: str | None = None,
+                 return_ids: bool = False):
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"TokenLoader(seq_len={seq_len!r}): expected an int >= 1")
+        self.file = _open(data, dtype)
+        self.seq_len, self.mode, self.pad_id, self.return_ids = seq_len, mode, pad_id, return_ids
+        if world is not None:
+            dp_rank, dp_size = world.dp_rank, world.dp_size
+        self.world, self.dp_rank, self.dp_size = world, dp_rank, dp_size
+        self.micro_batch_size, self.accumulation_steps = split_global_batch(global_batch_size, dp_size, micro_batch_size)
+        self.global_batch_size = global_batch_size
+        n_samples = self.file.n_samples(seq_len, mode)
+        if global_batch_size > n_samples:
+            raise ValueError(f"TokenLoader: global_batch_size={global_batch_size} is more than the {n_samples} samples "
+                             f"of {self.file.path} (seq_len={seq_len}, mode={mode!r})")
+        self.order = GlobalOrder(n_samples, global_batch_size, seed=seed, shuffle=shuffle)
+        self.follows_quorum = callable(getattr(world, "step_slot", None))
+        self._micro = 0  # micro-batches of the current step handed out (without a quorum)
+        self._attempt: int | None = None  # the quorum's step attempt being served
+        self._pending: int | None = None  # committed steps when the served step began (with a quorum)
+
+    @classmethod
+    def for_trainer(cls, trainer: Any, data: TokenFile | str | Path, seq_len: int, **kwargs: Any) -> TokenLoader:
+        """A loader for `trainer`: ``TrainingParameters.global_batch_size`` (required) and
+        ``micro_batch_size``, the trainer's world and seed; `kwargs` as in the constructor."""
+        training = trainer.training_parameters
+        if training.global_batch_size is None:
+            raise ValueError("TokenLoader.for_trainer needs TrainingParameters(global_batch_size=...)")
+        kwargs.setdefault("seed", trainer.seed or 0)
+        return cls(data, seq_len, training.global_batch_size, world=trainer.world,
+                   micro_batch_size=training.micro_batch_size, **kwargs)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps per pass over the data (an epoch's remainder is dropped)."""
+        return self.order.n_samples // self.global_batch_size
+
+    def __len__(self) -> int:
+        """Micro-batches per epoch on this rank; with a quorum, nominal (it never ends: train
+        by ``max_steps``)."""
+        return self.NOMINAL_LENGTH if self.follows_quorum else self.steps_per_epoch * self.accumulation_steps
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch `epoch` unless the cursor is in it already (the trainer calls it at
+        every epoch's start, also after a resume). Ignored with a quorum."""
+        if not self.follows_quorum and epoch != self.order.epoch:
+            self.order.epoch, self.order.consumed, self._micro = epoch, 0, 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        if self.follows_quorum:
+            return self._quorum_batches()
+        return self._epoch_batches()
+
+    def _epoch_batches(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        """The rest of the cursor's epoch (the next epoch when it is used up)."""
+        order, per_rank, micro = self.order, self.global_batch_size // self.dp_size, self.micro_batch_size
+        if not order.has_batch():
+            order.epoch, order.consumed, self._micro = order.epoch + 1, 0, 0
+        while order.has_batch():
+            share = order.peek()[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
+            index = self._micro
+            self._micro += 1
+            if self._micro == self.accumulation_steps:  # the step's last micro-batch: the cursor moves now,
+                order.advance()  # so that a checkpoint after this step holds the next position
+                self._micro = 0
+            yield self._batch(share[index * micro:(index + 1) * micro])
+
+    def _quorum_batches(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        world, order = self.world, self.order
+        while True:
+            attempt, committed, participants, replica_rank, micro_index = world.step_slot()
+            if attempt != self._attempt:  # the first micro-batch of a step
+                if self._pending is not None and committed > self._pending:  # the previous step was committed
+                    order.advance()
+                self._attempt, self._pending = attempt, committed
+            yield self._batch(self._quorum_ids(participants, replica_rank, micro_index))
+
+    def _quorum_ids(self, participants: int, replica_rank: int, micro_index: int) -> np.ndarray:
+        """Samples of one micro-batch when `participants` groups share the global batch."""
+        per_group, ranks, accumulation = self.global_batch_size, self.dp_size, self.accumulation_steps
+        if per_group % (participants * ranks * accumulation):
+            fits = [n for n in range(1, per_group + 1) if per_group % (n * ranks * accumulation) == 0]
+            raise ValueError(
+                f"global_batch_size={per_group} cannot be split evenly over {participants} replica groups x {ranks} "
+                f"rank(s) x {accumulation} micro-batch(es); quorum sizes it can be split over: {fits}")
+        if micro_index >= accumulation:
+            raise ValueError(f"micro-batch {micro_index + 1} of a step, but the loader's accumulation is "
+                             f"{accumulation}: set TrainingParameters.global_batch_size/micro_batch_size for the trainer")
+        micro = per_group // (participants * ranks * accumulation)
+        start = (replica_rank * ranks * accumulation + self.dp_rank * accumulation + micro_index) * micro
+        return self.order.peek()[start:start + micro]
+
+    def _batch(self, ids: np.ndarray) -> tuple[torch.Tensor, ...]:
+        x, y = _gather(self.file, ids, self.seq_len, self.mode, self.pad_id)
+        return (x, y, torch.from_numpy(ids.astype(np.int64))) if self.return_ids else (x, y)
+
+    # ------------------------------------------------------------------ the position
+    def state_dict(self) -> dict[str, Any]:
+        """The run's position: plain integers, the same on every rank (see the module
+        docstring): the order's cursor, the micro-batches of an unfinished step handed out,
+        and (with a quorum) the committed steps when the step being served began."""
+        return {"order": self.order.state_dict(), "micro": self._micro, "accumulation": self.accumulation_steps,
+                "pending": -1 if self._pending is None else self._pending}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Seek to a saved position, from a run with any number of ranks. Refused: a
+        position of another corpus, or one inside a step when the accumulation changed."""
+        saved = state["order"]
+        if int(saved["n_samples"]) != self.order.n_samples:
+            raise ValueError(f"the saved data position is over {saved['n_samples']} samples, {self.file.path} has "
+                             f"{self.order.n_samples} (seq_len={self.seq_len}, mode={self.mode!r}): not the same data")
+        if int(saved["global_batch_size"]) != self.global_batch_size:
+            logger.warning("the saved data position is of global_batch_size=%s, this run's is %d: the run goes on "
+                           "from the same sample, with another global batch", saved["global_batch_size"],
+                           self.global_batch_size)
+        micro = int(state.get("micro", 0))
+        if micro and int(state.get("accumulation", self.accumulation_steps)) != self.accumulation_steps:
+            raise ValueError(f"the saved data position is {micro} micro-batch(es) into a step of "
+                             f"{state['accumulation']}, but this run accumulates {self.accumulation_steps}: resume "
+                             "from a checkpoint taken at a step boundary")
+        self.order.load_state_dict(saved)
+        self._micro = micro
+        pending = int(state.get("pending", -1))
+        self._pending = None if pending < 0 else pending
+        self._attempt = None  # the next batch starts a step
