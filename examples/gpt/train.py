@@ -56,7 +56,7 @@ class GPTTrainer(DreamTrainer):
     def __init__(self, config: TrainerConfig, args: argparse.Namespace):
         super().__init__(config)
         self.args = args
-        self.train_file, self.val_file = prepare_token_files(Path(args.data_dir or Path(args.root_dir) / "data"),
+        self.train_file, self.val_file = prepare_token_files(Path(args.data_dir or Path(config.root_dir) / "data"),
                                                              n_chars=args.n_chars)
         self.tokenizer = ByteTokenizer()
         self.gpt_config = GPTConfig(

@@ -11,6 +11,8 @@ them are then in the first quorum, whatever their start-up times).
 ``--hold PATH``: after the first step this group commits with a group lost, write
 ``<group dir>/<PATH's name>.held`` and wait for PATH (the test restarts the lost group
 meanwhile: it is then up, heartbeating, when this group's next quorum forms).
+``--tokens PATH --global-batch N``: train from a token file with a `TokenLoader` instead (a
+global batch of N samples split over the quorum's groups; the features are token windows).
 ``--evil-heal PATH``: a malicious peer: the heal this group sends holds an object whose
 unpickling would create the directory PATH (a receiver must refuse it, PATH never appears).
 Each rank writes its model's final parameters to ``<group dir>/final.rank<R>.pt`` and the
@@ -44,6 +46,7 @@ from dream_trainer import (
     TrainingParameters,
     entrypoint,
 )
+from dream_trainer.data import TokenLoader
 from dream_trainer.fault_tolerance import FaultTolerantSampler
 from dream_trainer.testing import ToyTrainer
 from dream_trainer.testing.fault_tolerance import StartGate, wait_for_file
@@ -57,6 +60,8 @@ class Worker(ToyTrainer):
         self.args = args
 
     def configure_dataloaders(self) -> tuple[Any, Any]:
+        if self.args.tokens is not None:  # windows of in_features + 1 tokens: features and a target
+            return TokenLoader.for_trainer(self, self.args.tokens, self.in_features, return_ids=True), None
         x, y = toy_data(self.n_samples, self.in_features)
         data = TensorDataset(x, y, torch.arange(self.n_samples))
         sampler = FaultTolerantSampler(data, self.batch_size, self.world, seed=self.seed or 0)
@@ -64,6 +69,8 @@ class Worker(ToyTrainer):
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         x, y, index = batch
+        if self.args.tokens is not None:
+            x, y = x.float() / 1000, y[:, -1:].float() / 1000
         time.sleep(self.args.delay_ms / 1000)  # a slower step: the kill lands mid-run
         loss = torch.nn.functional.mse_loss(self.model(x), y)
         if self.args.die_at == self.global_step + 1:
@@ -138,6 +145,8 @@ def main() -> Worker:
     p.add_argument("--no-checkpoint", action="store_true")
     p.add_argument("--bucket-mb", type=float, default=None)
     p.add_argument("--no-overlap", action="store_true", help="every gradient all-reduce starts after backward")
+    p.add_argument("--tokens", default=None, help="a token file: train from it with a TokenLoader")
+    p.add_argument("--global-batch", type=int, default=8, help="with --tokens: samples per step over the groups")
     p.add_argument("--evil-heal", default=None, help="send a heal whose unpickling would mkdir this path")
     args = p.parse_args()
     if args.bucket_mb is not None:
@@ -147,7 +156,8 @@ def main() -> Worker:
         CheckpointCallback(CheckpointParameters(every_n_epochs=None, root_dir=args.checkpoint_root))]
     config = TrainerConfig(
         experiment="ft", run_name=args.run_name, root_dir=args.root, seed=0, device_parameters=device,
-        training_parameters=TrainingParameters(n_epochs=None, max_steps=args.steps, num_sanity_val_steps=0),
+        training_parameters=TrainingParameters(n_epochs=None, max_steps=args.steps, num_sanity_val_steps=0,
+                                               global_batch_size=args.global_batch if args.tokens else None),
         logging_parameters=LoggingParameters(log_every_n_steps=1),
         callbacks=[
             FaultToleranceCallback(FaultToleranceParameters(replica_group_id=args.group, timeout_s=20.0,

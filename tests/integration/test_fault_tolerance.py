@@ -127,6 +127,47 @@ def test_two_groups_survive_a_kill_and_heal(tmp_path, lighthouse, nproc):
         assert _same(*(torch.load(g.dir / f"final.rank{rank}.pt") for g in groups))
 
 
+def test_the_token_loader_follows_the_quorum_through_a_kill_and_a_rejoin(tmp_path, lighthouse):
+    """A `TokenLoader` under fault tolerance: group 1 is SIGKILLed at step 10 and restarted;
+    over the committed steps of both groups, the sample ids in step order are exactly the
+    run's global order (8 samples per step, split over whichever groups take part): no sample
+    trained twice, none skipped, whatever the quorum."""
+    import numpy as np
+
+    from dream_trainer.data import GlobalOrder, write_tokens
+
+    steps, kill_at, gbs = 30, 10, 8
+    tokens = write_tokens(tmp_path / "corpus.tokens", [np.random.default_rng(0).integers(0, 1000, size=9 * 512)])
+    flags = ("--steps", str(steps), "--tokens", str(tokens), "--global-batch", str(gbs))
+    survivor = _worker(tmp_path, 0, lighthouse, *flags, "--hold", str(tmp_path / "hold"))
+    victim = _worker(tmp_path, 1, lighthouse, *flags)
+    groups = [survivor, victim]
+    try:
+        start_together(groups, tmp_path / "go-1")
+        wait_until(lambda: victim.reached(kill_at, 2), groups, 300, f"step {kill_at} with both groups")
+        victim.kill()
+        wait_until(lambda: (survivor.dir / "hold.held").exists(), groups[:1], 300, "group 0 training on alone")
+        start_together([victim], tmp_path / "go-2")
+        (tmp_path / "hold").touch()
+        assert [g.wait(timeout=300) for g in groups] == [0, 0]
+    finally:
+        for group in groups:
+            group.kill()
+    by_step: dict[int, list[tuple[int, list[int]]]] = {}
+    for g, group in enumerate(groups):
+        for r in _samples(group):
+            if r["committed"]:
+                by_step.setdefault(r["step"], []).append((r["participants"], r["indices"]))
+    assert sorted(by_step) == list(range(1, steps + 1))
+    alone = [s for s, parts in by_step.items() if parts[0][0] == 1]
+    assert alone and all(len(by_step[s]) == 1 for s in alone)  # group 0 trained alone on whole global batches
+    assert all(len(parts) == 2 for s, parts in by_step.items() if s not in alone)  # two groups: a half each
+    order = GlobalOrder((9 * 512 - 1) // 8, gbs, seed=0)  # windows of 8 + 1 tokens
+    for step in range(1, steps + 1):
+        trained = sorted(i for _, ids in by_step[step] for i in ids)
+        assert trained == sorted(order.next_global_batch().tolist()), step
+
+
 def test_the_demo_kills_and_restarts_a_group(tmp_path):
     """examples/gpt/fault_tolerant.py end to end: a lighthouse, 2 groups of the GPT demo,
     group 1 killed at step 30 and restarted once group 0 trained on without it. Whether

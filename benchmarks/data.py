@@ -1,0 +1,137 @@
+"""The token loader's throughput, and what the demo waits for its data.
+
+1. **The loader alone**: tokens/s of `TokenLoader` iterating over a generated token file
+   (memory-mapped, uint16), for a few sample lengths and micro-batch sizes, against a plain
+   ``DataLoader(TokenDataset, shuffle=True)`` (per-sample reads, default collate) on the same
+   file: same samples per batch, both in the main process.
+2. **The demo**: the GPT demo with its own defaults (``examples/gpt/train.py``: global batch
+   32 x 64 tokens) for ``--steps`` steps; per optimizer step the trainer's ``data_wait_s``
+   (``trainer.step_stats``) against the step's time. Goal: data waits under 1 % of step
+   time, and a loader far faster than the demo consumes.
+
+    python benchmarks/data.py            # ~1.5 minutes on 2 CPU cores
+    python benchmarks/data.py --quick    # ~30 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
+
+from train import main as demo_main  # noqa: E402
+
+from dream_trainer import Callback  # noqa: E402
+from dream_trainer.data import TokenDataset, TokenLoader, write_tokens  # noqa: E402
+
+from common import machine, write_json  # noqa: E402  (benchmarks/common.py)
+
+GOAL = 0.01
+SHAPES = [(64, 32), (1024, 8), (4096, 4)]  # (seq_len, micro-batch): the demo's, then longer contexts
+
+
+def _rate(batches: Any, tokens_per_batch: int, seconds: float) -> float:
+    """Tokens/s over as many batches as `seconds` allows (at least 3), epoch after epoch."""
+    iterator, n, start = iter(batches), 0, time.perf_counter()
+    while n < 3 or time.perf_counter() - start < seconds:
+        try:
+            next(iterator)
+        except StopIteration:  # the epoch is over: the next one
+            iterator = iter(batches)
+            continue
+        n += 1
+    return n * tokens_per_batch / (time.perf_counter() - start)
+
+
+def loader_alone(path: Path, seconds: float) -> list[dict[str, Any]]:
+    rows = []
+    for seq_len, micro in SHAPES:
+        ours = TokenLoader(path, seq_len, micro, seed=0)
+        plain = DataLoader(TokenDataset(path, seq_len), batch_size=micro, shuffle=True,
+                           generator=torch.Generator().manual_seed(0))
+        tokens = seq_len * micro
+        _rate(ours, tokens, 0.05), _rate(plain, tokens, 0.05)  # first touches of the page cache
+        rows.append({"seq_len": seq_len, "micro_batch": micro, "token_loader_tok_s": _rate(ours, tokens, seconds),
+                     "dataloader_tok_s": _rate(plain, tokens, seconds)})
+    return rows
+
+
+class DataWaits(Callback[Any]):
+    """Per optimizer step: (data wait s, step time s), from ``trainer.step_stats``."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, float]] = []
+        self._wait = 0.0
+
+    def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
+        stats = self.trainer.step_stats
+        if not self.trainer.is_accumulating_gradients:
+            self.steps.append((stats.data_wait_s, stats.step_time_s))
+
+
+def demo(steps: int, root: str) -> dict[str, Any]:
+    waits = DataWaits()
+    trainer = demo_main(["--steps", str(steps), "--root-dir", root, "--run-name", "bench", "--checkpoint-every", "0"],
+                        callbacks=[waits])
+    timed = waits.steps[5:]  # the first steps include building the iterator and warm-up
+    wait, total = sum(w for w, _ in timed), sum(t for _, t in timed)
+    args = trainer.args
+    step_s = statistics.median(t for _, t in timed)
+    return {"steps_timed": len(timed), "data_wait_share": wait / total, "data_wait_ms_median":
+            1e3 * statistics.median(w for w, _ in timed), "step_ms_median": 1e3 * step_s,
+            "tokens_per_step": args.batch_size * args.block_size,
+            "demo_tok_s": args.batch_size * args.block_size / step_s}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=50_000_000, help="tokens in the generated file (uint16)")
+    p.add_argument("--seconds", type=float, default=3.0, help="time per loader measurement")
+    p.add_argument("--steps", type=int, default=250, help="demo steps (its default)")
+    p.add_argument("--quick", action="store_true", help="a 5M-token file, 1 s per measurement, 60 demo steps")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "data.json"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.tokens, args.seconds, args.steps = 5_000_000, 1.0, 60
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="dream_data_") as root:
+        rng = np.random.default_rng(0)
+        path = write_tokens(Path(root) / "bench.tokens", (rng.integers(0, 50_000, size=1_000_000)
+                                                          for _ in range(max(1, args.tokens // 1_000_000))))
+        rows = loader_alone(path, args.seconds)
+        run = demo(args.steps, root)
+    demo_shape = rows[0]
+    result = {"loader": rows, "demo": run, "goal_data_wait_share": GOAL,
+              "goal_met": run["data_wait_share"] < GOAL,
+              "loader_over_demo": demo_shape["token_loader_tok_s"] / run["demo_tok_s"],
+              "settings": vars(args), "wall_s": time.perf_counter() - start, "machine": machine()}
+    print(f"\nthe token loader alone ({args.tokens / 1e6:.0f}M uint16 tokens, memory-mapped, main process); "
+          f"torch {torch.__version__}\n")
+    print(f"{'seq_len x micro':<18}{'TokenLoader tok/s':>20}{'DataLoader tok/s':>20}{'ratio':>8}")
+    for r in rows:
+        print(f"{str(r['seq_len']) + ' x ' + str(r['micro_batch']):<18}{r['token_loader_tok_s']:>20,.0f}"
+              f"{r['dataloader_tok_s']:>20,.0f}{r['token_loader_tok_s'] / r['dataloader_tok_s']:>7.1f}x")
+    print(f"\nthe demo with its defaults ({run['tokens_per_step']} tokens/step), {run['steps_timed']} steps timed:")
+    print(f"  step {run['step_ms_median']:.1f} ms (median), data wait {run['data_wait_ms_median']:.3f} ms (median); "
+          f"data wait share {100 * run['data_wait_share']:.3f} % (goal < {100 * GOAL:.0f} %: "
+          f"{'met' if result['goal_met'] else 'NOT met'})")
+    print(f"  the demo consumes {run['demo_tok_s']:,.0f} tok/s; the loader gives {demo_shape['token_loader_tok_s']:,.0f} "
+          f"({result['loader_over_demo']:.0f}x)")
+    write_json(result, args.out)
+    print(f"({result['wall_s']:.0f} s)")
+    return result
+
+
+if __name__ == "__main__":
+    main()
