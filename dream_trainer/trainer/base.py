@@ -361,7 +361,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         if self.world.device.type != "cpu":
             batch = to_device(batch, self.world.device)
         skipped, result, loss = self._train_batch(batch, batch_idx, accumulating)
-        means = self._step_means(step, result, accumulating) if log_kind == 2 and not skipped else None
+        means = log_.step_means(step, result, accumulating) if log_kind == 2 and not skipped else None
         step_skipped = not accumulating and self._end_step()
         log = kind > 0 and not step_skipped
         own = self._own_step_metrics(means) if kind == 2 and log and means is not None else {}

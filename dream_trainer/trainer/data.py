@@ -59,7 +59,7 @@ class DataMixin(AbstractTrainer):
         if training.global_batch_size is None:
             return
         micro, accumulation = split_global_batch(training.global_batch_size, self.world.dp_size, training.micro_batch_size)
-        self.data_position.micro_batch_size, self.data_position.accumulation_steps = micro, accumulation
+        self.data_position.accumulation_steps = accumulation
         logger.info("global batch %d = %d data-parallel rank(s) x micro-batch %d x %d accumulation step(s)",
                     training.global_batch_size, self.world.dp_size, micro, accumulation)
 

@@ -79,7 +79,6 @@ class DataPosition:
             steps of the running loop (a torchft heal).
         accumulation_steps: micro-batches per optimizer step derived from
             ``TrainingParameters.global_batch_size`` for this world (None: not derived).
-        micro_batch_size: samples per rank and forward pass so derived.
     """
 
     def __init__(self) -> None:
@@ -96,7 +95,6 @@ class DataPosition:
         self.loader_restored = False  # a stateful loader restored its own position (no fast-forward)
         self.iterating = False  # an epoch's batches are being iterated (a restore now is between two steps)
         self.accumulation_steps: int | None = None
-        self.micro_batch_size: int | None = None
 
     def planned_epoch_batches(self, hint: int | None) -> int | None:
         """Batches per training epoch for a plan: the agreed length, else the loader's,

@@ -54,7 +54,26 @@ class MetricLog:
         self._queue: list[dict[str, Any]] | None = None  # set while on_log runs: logs made there
         self._nested = False  # True while the values logged from an on_log are dispatched
         self._val_sums: dict[str, list[Any]] = {}
+        self._step_sums: tuple[int, dict[str, torch.Tensor], int] | None = None  # (step, sums, micro-batches)
         self.display_fields: dict[str, str] = {}  # short status strings monitors publish for displays
+
+    def step_means(self, step: int, result: dict[str, Any], accumulating: bool) -> dict[str, Any] | None:
+        """The scalar results of optimizer step `step` averaged over its micro-batches
+        (device adds, no sync): None while the step accumulates, then `result` with its
+        scalars replaced by their means. With one micro-batch, `result` itself."""
+        held = self._step_sums
+        if held is None or held[0] != step:  # the step's first micro-batch
+            if not accumulating:
+                return result
+            held = (step, {}, 0)
+        sums = held[1]
+        for key, value in result.items():
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.detach().float().reshape(())
+                sums[key] = sums[key] + value if key in sums else value
+        count = held[2] + 1
+        self._step_sums = (step, sums, count) if accumulating else None
+        return None if accumulating else {**result, **{key: total / count for key, total in sums.items()}}
 
     def log(self, metrics: dict[str, Any], validating: bool = False) -> None:
         """A checked `log_dict` call: queued for the nested round (from an `on_log`),

@@ -49,25 +49,6 @@ class MetricsMixin(AbstractTrainer):
         intervals = self.callbacks.log_intervals
         return 1 if intervals and any(step % interval == 0 for interval in intervals) else 0
 
-    def _step_means(self, step: int, result: dict[str, Any], accumulating: bool) -> dict[str, Any] | None:
-        """The step's scalar results averaged over its micro-batches (device adds, no sync):
-        None while the step accumulates, then the means. With one micro-batch, `result`."""
-        held: tuple[int, dict[str, torch.Tensor], list[int]] | None = getattr(self, "_micro_sums", None)
-        if held is None or held[0] != step:  # the step's first micro-batch
-            if not accumulating:
-                return result
-            held = self._micro_sums = (step, {}, [0])
-        sums, count = held[1], held[2]
-        for key, value in result.items():
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                value = value.detach().float().reshape(())
-                sums[key] = sums[key] + value if key in sums else value
-        count[0] += 1
-        if accumulating:
-            return None
-        self._micro_sums = None
-        return {**result, **{key: total / count[0] for key, total in sums.items()}}
-
     def log_dict(self, metrics: dict[str, Any]) -> None:
         """Record metrics and send them to every callback's `on_log`, from any hook.
 
@@ -96,7 +77,7 @@ class MetricsMixin(AbstractTrainer):
     def _own_step_metrics(self, result: dict[str, Any]) -> dict[str, Any]:
         """What the trainer logs by itself on its log steps (made before `post_train_step`,
         so ``step_stats.world_*`` are current there): the step's scalar results averaged
-        over its micro-batches (see `_step_means`) and over ranks, the learning rate the step
+        over its micro-batches (`MetricLog.step_means`) and over ranks, the learning rate the step
         used and the gradient norms. Called on the trainer's own log steps (`_log_step_kind` 2)."""
         stats, world = self.step_stats, self.world
         scalars = {f"train/{k}": v for k, v in result.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
