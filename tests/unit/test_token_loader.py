@@ -102,3 +102,13 @@ def test_the_dataset_gives_the_loaders_samples(corpus):
     assert torch.equal(torch.cat([x, y[-1:]]), torch.from_numpy(tf.sample(5, SEQ)))
     with pytest.raises(IndexError):
         data[len(data)]
+
+
+def test_documents_are_samples_too(corpus):
+    tf = TokenFile(corpus)
+    loader = TokenLoader(corpus, SEQ, 8, dp_rank=1, dp_size=2, mode="documents", pad_id=7, return_ids=True)
+    assert loader.order.n_samples == tf.n_docs
+    x, y, ids = next(iter(loader))
+    for row, i in enumerate(ids.tolist()):
+        doc = torch.from_numpy(tf.sample(i, SEQ, mode="documents", pad_id=7))
+        assert torch.equal(x[row], doc[:-1]) and torch.equal(y[row], doc[1:])
