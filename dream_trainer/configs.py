@@ -422,7 +422,8 @@ class TrainerConfig:
     training_parameters: TrainingParameters = field(default_factory=TrainingParameters)
     device_parameters: DeviceParameters = field(default_factory=DeviceParameters)
     logging_parameters: LoggingParameters = field(default_factory=LoggingParameters)
-    callbacks: CallbackCollection | list[Callback[Any]] | dict[str, Callback[Any]] | Callback[Any] | None = None
+    callbacks: CallbackCollection | list[Callback[Any]] | dict[str, Callback[Any]] | Callback[Any] | None = field(
+        default=None, metadata={"code": True})  # objects: never from a config file (dream_trainer.config_files)
 
     def __post_init__(self) -> None:
         for name in ("experiment", "run_name"):
