@@ -81,16 +81,15 @@ class DataWaits(Callback[Any]):
 
 def demo(steps: int, root: str) -> dict[str, Any]:
     waits = DataWaits()
-    trainer = demo_main(["--steps", str(steps), "--root-dir", root, "--run-name", "bench", "--checkpoint-every", "0"],
+    trainer = demo_main(["--steps", str(steps), "--root-dir", root, "--run-name", "bench", "--checkpoint-every", "None"],
                         callbacks=[waits])
     timed = waits.steps[5:]  # the first steps include building the iterator and warm-up
     wait, total = sum(w for w, _ in timed), sum(t for _, t in timed)
-    args = trainer.args
+    tokens = trainer.config.training_parameters.global_batch_size * trainer.config.model.block_size
     step_s = statistics.median(t for _, t in timed)
     return {"steps_timed": len(timed), "data_wait_share": wait / total, "data_wait_ms_median":
             1e3 * statistics.median(w for w, _ in timed), "step_ms_median": 1e3 * step_s,
-            "tokens_per_step": args.batch_size * args.block_size,
-            "demo_tok_s": args.batch_size * args.block_size / step_s}
+            "tokens_per_step": tokens, "demo_tok_s": tokens / step_s}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

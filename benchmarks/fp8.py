@@ -38,7 +38,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
 
-from train import PARALLEL, GPTTrainer, parse_args  # noqa: E402
+from train import PARALLEL, GPTTrainer, demo_config, parse_args  # noqa: E402
 
 from dream_trainer import DreamTrainer, LoggingParameters, TrainerConfig, TrainingParameters  # noqa: E402
 from dream_trainer.callbacks.fp8 import float8_hardware  # noqa: E402
@@ -108,7 +108,7 @@ def run(model: str, variant: str, compiled: bool, opts: dict[str, Any]) -> dict[
         if model == "gpt":
             args = parse_args(["--steps", str(steps), "--batch-size", "16",
                                "--n-chars", str(int((steps + 2) * (16 * 64 + 16) / 0.9))])
-            trainer: Any = GPTTrainer(config, args)
+            trainer: Any = GPTTrainer(demo_config(config, args))
             tokens = 16 * 64
         else:
             trainer = LinearHeavy(config, width=opts["width"], tokens=opts["tokens"], steps=steps)

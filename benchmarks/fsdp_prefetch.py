@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
 
-from train import PARALLEL, GPTTrainer, parse_args  # noqa: E402
+from train import PARALLEL, GPTTrainer, demo_config, parse_args  # noqa: E402
 
 from dream_trainer import Callback, LoggingParameters, TrainerConfig, TrainingParameters  # noqa: E402
 from dream_trainer.callbacks import OptimizeFSDPCallback  # noqa: E402
@@ -59,7 +59,7 @@ def run_rank(options: dict[str, Any] | None, opts: dict[str, Any], device: str, 
         logging_parameters=LoggingParameters(log_every_n_steps=10**9, log_lr=False),
         callbacks=callbacks,
     )
-    trainer = GPTTrainer(config, args)
+    trainer = GPTTrainer(demo_config(config, args))
     trainer.fit()
     timed = timer.times[opts["warmup"]:]
     return {"median_step_s": statistics.median(timed)}

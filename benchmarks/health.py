@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
 
-from train import PARALLEL, GPTTrainer, parse_args  # noqa: E402
+from train import PARALLEL, GPTTrainer, demo_config, parse_args  # noqa: E402
 
 from dream_trainer import Callback, LoggingParameters, TrainerConfig, TrainingParameters  # noqa: E402
 from dream_trainer.callbacks import health_callbacks  # noqa: E402
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                    num_sanity_val_steps=0),
             logging_parameters=LoggingParameters(log_every_n_steps=50), callbacks=[switch],
         )
-        GPTTrainer(config, demo).fit()
+        GPTTrainer(demo_config(config, demo)).fit()
     wall = time.perf_counter() - start
     timed = switch.epochs[args.warmup:]
     pairs = [(timed[i], timed[i + 1]) for i in range(0, len(timed) - 1, 2)]

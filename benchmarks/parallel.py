@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt")
 
 from data import make_datasets  # noqa: E402
 from model import GPT, GPTConfig, lm_loss  # noqa: E402
-from train import PARALLEL, GPTTrainer, parse_args  # noqa: E402
+from train import PARALLEL, GPTTrainer, demo_config, parse_args  # noqa: E402
 
 from dream_trainer import Callback, LoggingParameters, TrainerConfig, TrainingParameters  # noqa: E402
 from dream_trainer.testing import spawn_world  # noqa: E402
@@ -127,7 +127,7 @@ def run_rank(layout: str, threads: int | None, device: str, opts: dict[str, Any]
         logging_parameters=LoggingParameters(log_every_n_steps=10**9, log_lr=False),
         callbacks=[timer],  # no ProgressBarCallback, no LoggerCallback
     )
-    trainer = GPTTrainer(config, args)
+    trainer = GPTTrainer(demo_config(config, args))
     trainer.fit()
     (t0, c0, b0), (t1, c1, b1) = timer.marks
     return {

@@ -338,7 +338,7 @@ def match_template(path: Path, template: dict[str, Any], strict: bool) -> dict[s
                 + _what_strict_false_loses(key, flat, saved)
             )
         _drop(template, mapping[key])
-    model_keys = ("models.", "optimizers.")
+    model_keys = tuple(f"{part}." for part in ("models", "optimizers") if part in template)
     unexpected = [k for k in saved if k.startswith(model_keys) and k not in flat]
     if unexpected and strict:
         raise CheckpointError(
@@ -359,6 +359,32 @@ def load_checkpoint(path: str | os.PathLike[str], template: dict[str, Any], stri
     template = match_template(path, template, strict)
     _dcp_load(template, path, process_group=process_group)
     return template
+
+
+def load_weights(path: str | os.PathLike[str], models: dict[str, torch.nn.Module], strict: bool = True) -> None:
+    """Load the weights of `models` (by the trainer's model names) from the checkpoint at
+    `path`, and nothing else: no optimizer, counter, RNG or data position (fine-tuning,
+    ``--init-from``). Any sharding on either side; every rank of the world calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    path = Path(path)
+    _check_format(path)
+    template = {"models": {name: get_model_state_dict(m) for name, m in models.items()}}
+    template = match_template(path, template, strict)
+    _dcp_load(template, path)
+    for name, model in models.items():
+        set_model_state_dict(model, template["models"].get(name, {}), options=StateDictOptions(strict=strict))
+
+
+def _trained_names(saved: dict[str, Any]) -> set[str]:
+    """The parameter names some optimizer of the checkpoint keeps state for
+    (``optimizers.<optimizer>.state.<parameter name>.<statistic>``)."""
+    names = set()
+    for key in saved:
+        parts = key.split(".state.", 1)
+        if key.startswith("optimizers.") and len(parts) == 2 and "." in parts[1]:
+            names.add(parts[1].rsplit(".", 1)[0])
+    return names
 
 
 def _check_format(path: Path) -> None:
@@ -401,6 +427,7 @@ def export_model(
     output: str | os.PathLike[str],
     model: str = "model",
     dtype: torch.dtype | None = None,
+    trainable_only: bool = False,
 ) -> Path:
     """Write model `model` of a checkpoint (written by any number of ranks, sharded or not)
     as one plain ``state_dict`` file in the safetensors format (`output` must end in
@@ -409,7 +436,10 @@ def export_model(
     the ``safetensors`` package.
 
     Load it with ``safetensors.torch.load_file`` and ``model.load_state_dict`` —
-    dream_trainer is not needed.
+    dream_trainer is not needed. `trainable_only`: only the parameters some optimizer of
+    the checkpoint holds state for, i.e. those that were trained (a LoRA adapter's weights,
+    under their names in the model): ``model.load_state_dict(..., strict=False)`` over the
+    base model.
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -429,6 +459,12 @@ def export_model(
         for key, md in saved.items()
         if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
     }
+    if trainable_only:
+        trained = _trained_names(saved)
+        template = {key: t for key, t in template.items() if key[len(prefix):] in trained}
+        if not template:
+            raise CheckpointError(f"checkpoint {path}: no parameter of model {model!r} has optimizer state, so none "
+                                  "is known to be trainable (trainable_only=True needs a checkpoint of a trained run)")
     if not template:
         models = sorted({k.split(".")[1] for k in saved if k.startswith("models.")})
         raise CheckpointError(f"checkpoint {path} has no model named {model!r}; it has: {models or 'none'}")

@@ -26,11 +26,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["ConfigError", "apply_config", "load_config_file", "nearest"]
+__all__ = ["FIXED_ON_RESUME", "ConfigError", "apply_config", "config_to_data", "field_types", "load_config_file",
+           "nearest"]
 
 T = TypeVar("T")
 
 _DATA = (type(None), bool, int, float, str)
+
+FIXED_ON_RESUME = {"fixed_on_resume": True}
+"""Field metadata for a value a run cannot resume with another of (a model's width, its
+vocabulary): ``d_model: int = field(default=512, metadata=FIXED_ON_RESUME)``. On a dataclass
+field it covers every field inside. A resume that changes one is refused, naming it
+(`dream_trainer.callbacks.RunRecordCallback`)."""
 
 
 class ConfigError(ValueError):
@@ -81,6 +88,7 @@ def apply_config(config: T, mapping: Mapping[str, Any], *, source: str | Path | 
         raise TypeError(f"apply_config() needs a dataclass instance, got {type(config).__name__}")
     where = f" (in {source})" if source is not None else ""
     fields = {f.name: f for f in dataclasses.fields(config) if f.init}
+    types = field_types(type(config))
     names = list(fields)
     changes: dict[str, Any] = {}
     for key, value in mapping.items():
@@ -106,11 +114,78 @@ def apply_config(config: T, mapping: Mapping[str, Any], *, source: str | Path | 
                               "only): set it in code")
         if not _is_data(value):
             raise ConfigError(f"config key {path!r}{where}: {value!r} is not plain data")
+        if isinstance(value, str) and _admits_dtype(types.get(key)):
+            value = _dtype(value, path, where)
         changes[key] = tuple(value) if isinstance(current, tuple) and isinstance(value, list) else value
     try:
         return dataclasses.replace(config, **changes)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{prefix.rstrip('.') or type(config).__name__}{where}: {exc}") from exc
+
+
+def config_to_data(config: Any) -> dict[str, Any]:
+    """The dataclass `config` as plain data (what `apply_config` takes back): nested
+    dataclasses as mappings, ``torch.dtype`` as its name (``"bfloat16"``), paths as text,
+    tuples as lists; fields marked ``{"code": True}`` are left out."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        if f.init and not f.metadata.get("code"):
+            out[f.name] = _as_data(getattr(config, f.name))
+    return out
+
+
+def _as_data(value: Any) -> Any:
+    import torch
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return config_to_data(value)
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (list, tuple)):
+        return [_as_data(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _as_data(v) for k, v in value.items()}
+    return value
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """The resolved annotation of each field of the dataclass `cls` (``Any`` where one cannot
+    be resolved: a name imported only for type checking)."""
+    import typing
+
+    out: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        module = sys.modules.get(klass.__module__)
+        namespace = dict(vars(module)) if module is not None else {}
+        for name, annotation in klass.__dict__.get("__annotations__", {}).items():
+            if isinstance(annotation, str):
+                try:
+                    annotation = eval(annotation, namespace, dict(vars(typing)))  # noqa: S307 - the class's own source
+                except Exception:  # noqa: BLE001 - a TYPE_CHECKING-only name
+                    annotation = Any
+            out[name] = annotation
+    return {f.name: out.get(f.name, Any) for f in dataclasses.fields(cls)}
+
+
+def _admits_dtype(annotation: Any) -> bool:
+    import typing
+
+    import torch
+
+    return annotation is torch.dtype or torch.dtype in typing.get_args(annotation)
+
+
+def _dtype(name: str, path: str, where: str) -> Any:
+    import torch
+
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise ConfigError(f"config key {path!r}{where}: {name!r} is not a torch dtype (e.g. 'bfloat16', 'float32')")
+    return value
 
 
 def _is_data(value: Any) -> bool:

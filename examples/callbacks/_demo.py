@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpt"))
 from train import main as demo  # noqa: E402
 
 SHORT = ["--steps", "30", "--val-every", "15", "--val-batches", "2", "--n-chars", "60000", "--log-every", "5",
-         "--checkpoint-every", "0", "--resume", "none"]
+         "--checkpoint-every", "None", "--resume", "None"]
 
 
 def run(callbacks: list[Any], argv: list[str] | None = None) -> Any:

@@ -4,22 +4,31 @@
     python examples/gpt/train.py --nproc 2            # 2 local ranks, spawned by dream_trainer
     torchrun --nproc_per_node 2 examples/gpt/train.py # 2 ranks under torchrun (DDP over gloo on CPU)
     torchrun --nproc_per_node 2 examples/gpt/train.py --parallel fsdp   # or tp; --compile
+    python examples/gpt/train.py --help               # every config field as a flag; the subcommands
+    python examples/gpt/train.py summarize --parallel fsdp --nproc 2    # or profile, benchmark, ...
 
-The corpus is generated, written as text and turned into byte-level token files (what
-``python -m dream_trainer.data.prepare`` does for any corpus) under ``runs/data``; the demo
-trains from them with a `TokenLoader` (its position is the run's: a checkpoint resumes on
-any number of ranks, with the same global batch). Metrics go to ``runs/gpt/<run>/logs`` (TensorBoard event files and metrics.jsonl),
-checkpoints to ``runs/gpt/<run>/checkpoints`` (every 50 steps, async). Stop a run with
-Ctrl-C or SIGTERM: it saves at the next step boundary and exits with status 75; run it
-again with the same ``--run-name`` and it resumes where it stopped.
+The command line is dream_trainer's (`dream_trainer.cli`): a flag for every config field
+(``--training_parameters.max_steps 100``, ``--model.d_model 256``), ``--config run.yaml``,
+``--print-config``, the subcommands ``resume RUN``, ``profile``, ``find-graph-breaks``,
+``benchmark``, ``summarize``, ``export CHECKPOINT``, and the short flags of `ALIASES`
+(``--steps``, ``--batch-size``, ...). The corpus is generated, written as text and turned
+into byte-level token files (what ``python -m dream_trainer.data.prepare`` does for any
+corpus) under ``runs/data``; the demo trains from them with a `TokenLoader` (its position is
+the run's: a checkpoint resumes on any number of ranks, with the same global batch).
+Metrics go to ``runs/gpt/<run>/logs`` (TensorBoard event files and metrics.jsonl),
+checkpoints to ``runs/gpt/<run>/checkpoints`` (every 50 steps, async), the resolved config,
+git commit and versions to ``runs/gpt/<run>/run.json``. Stop a run with Ctrl-C or SIGTERM:
+it saves at the next step boundary and exits with status 75; run it again with the same
+``--run-name`` (or ``resume runs/gpt/<run>``) and it resumes where it stopped.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import math
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import ByteTokenizer, prepare_token_files  # noqa: E402
 from model import GPT, GPTConfig, lm_loss  # noqa: E402
 
+from dream_trainer import cli  # noqa: E402
 from dream_trainer import (  # noqa: E402
     Callback,
     CheckpointCallback,
@@ -45,27 +55,90 @@ from dream_trainer import (  # noqa: E402
     TrainingParameters,
     entrypoint,
 )
+from dream_trainer.config_files import FIXED_ON_RESUME  # noqa: E402
 from dream_trainer.data import TokenDataset, TokenLoader  # noqa: E402
+
+
+@dataclass(kw_only=True)
+class ModelShape:
+    """The GPT's shape (a resume cannot change it).
+
+    Attributes:
+        block_size: tokens per sample (the context length).
+        n_layer: transformer blocks.
+        n_head: attention heads per block.
+        d_model: the width of the residual stream.
+    """
+
+    block_size: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+
+
+@dataclass(kw_only=True)
+class DemoData:
+    """The generated corpus.
+
+    Attributes:
+        n_chars: size of the generated corpus, in characters (bytes: one token each).
+        data_dir: where the corpus's token files are made (default: <root_dir>/data).
+        data_delay_ms: make every training batch this much slower to load (a slow data
+            pipeline, to see it found).
+    """
+
+    n_chars: int = 400_000
+    data_dir: str | None = None
+    data_delay_ms: float = 0.0
+
+
+@dataclass(kw_only=True)
+class GPTRunConfig(TrainerConfig):
+    """The demo's config: dream_trainer's fields and the demo's own.
+
+    Attributes:
+        model: the GPT's shape (fixed on resume).
+        data: the generated corpus.
+        lr: AdamW's peak learning rate.
+        warmup: linear warm-up steps, then cosine decay to 10 % at the last step.
+        checkpoint: when checkpoints are saved and what is resumed.
+        progress: draw the progress bar even when not a terminal.
+        ft_group: fault tolerant (torchft): this job is replica group N (see
+            examples/gpt/fault_tolerant.py).
+        lighthouse: the torchft lighthouse, http://host:port (default: TORCHFT_LIGHTHOUSE).
+    """
+
+    experiment: str = "gpt"  # runs go to <root>/gpt/<run name>
+    seed: int | None = 0
+    training_parameters: TrainingParameters = field(default_factory=lambda: TrainingParameters(
+        n_epochs=None, max_steps=250, val_every_n_steps=50, global_batch_size=32, gradient_clip_val=1.0))
+    device_parameters: DeviceParameters = field(default_factory=DeviceParameters.DDP)
+    logging_parameters: LoggingParameters = field(default_factory=lambda: LoggingParameters(log_every_n_steps=10))
+    model: ModelShape = field(default_factory=ModelShape, metadata=FIXED_ON_RESUME)
+    data: DemoData = field(default_factory=DemoData)
+    lr: float = 6e-3
+    warmup: int = 20
+    checkpoint: CheckpointParameters = field(default_factory=lambda: CheckpointParameters(
+        every_n_steps=50, async_mode="async", monitor="val/loss"))
+    progress: bool = False
+    ft_group: int | None = None
+    lighthouse: str | None = None
 
 
 class GPTTrainer(DreamTrainer):
     """Byte-level GPT: model on meta, AdamW, warmup + cosine, token files shared by the world."""
 
-    experiment = "gpt"  # runs go to <root>/gpt/<run name>
+    config: GPTRunConfig
 
-    def __init__(self, config: TrainerConfig, args: argparse.Namespace):
+    def __init__(self, config: GPTRunConfig):
         super().__init__(config)
-        self.args = args
-        self.train_file, self.val_file = prepare_token_files(Path(args.data_dir or Path(config.root_dir) / "data"),
-                                                             n_chars=args.n_chars)
+        data = config.data
+        self.train_file, self.val_file = prepare_token_files(Path(data.data_dir or Path(config.root_dir) / "data"),
+                                                             n_chars=data.n_chars)
         self.tokenizer = ByteTokenizer()
-        self.gpt_config = GPTConfig(
-            vocab_size=self.tokenizer.vocab_size,
-            block_size=args.block_size,
-            n_layer=args.n_layer,
-            n_head=args.n_head,
-            d_model=args.d_model,
-        )
+        shape = config.model
+        self.gpt_config = GPTConfig(vocab_size=self.tokenizer.vocab_size, block_size=shape.block_size,
+                                    n_layer=shape.n_layer, n_head=shape.n_head, d_model=shape.d_model)
 
     def configure_models(self) -> None:
         self.model = GPT(self.gpt_config)  # on the meta device: nothing allocated yet
@@ -103,12 +176,12 @@ class GPTTrainer(DreamTrainer):
         no_decay = [p for p in self.model.parameters() if p.ndim < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.args.lr,
+            lr=self.config.lr,
             betas=(0.9, 0.95),
         )
 
     def configure_schedulers(self) -> None:
-        warmup, total = self.args.warmup, self.args.steps
+        warmup, total = self.config.warmup, self.config.training_parameters.max_steps or 1
 
         def lr_factor(step: int) -> float:
             if step < warmup:
@@ -122,10 +195,11 @@ class GPTTrainer(DreamTrainer):
         """Training: this rank's share of each global batch (``--batch-size``), in the run's
         order; under fault tolerance the global batch is split over the quorum's groups.
         Validation: the held-out windows, in order, split over the data-parallel ranks."""
-        train: Any = TokenLoader.for_trainer(self, self.train_file, self.args.block_size)
-        if self.args.data_delay_ms:
-            train = _Slow(train, self.args.data_delay_ms / 1000)
-        val_set = TokenDataset(self.val_file, self.args.block_size)
+        block, delay_ms = self.config.model.block_size, self.config.data.data_delay_ms
+        train: Any = TokenLoader.for_trainer(self, self.train_file, block)
+        if delay_ms:
+            train = _Slow(train, delay_ms / 1000)
+        val_set = TokenDataset(self.val_file, block)
         sampler = DistributedSampler(val_set, self.world.dp_size, self.world.dp_rank, shuffle=False)
         return train, DataLoader(val_set, batch_size=train.micro_batch_size, sampler=sampler)
 
@@ -171,114 +245,96 @@ class ValidationHistory(Callback[DreamTrainer]):
             self.history.append((self.trainer.global_step, float(result["val/loss"])))
 
 
-PARALLEL = {
-    "single": DeviceParameters.SINGLE_DEVICE,
-    "ddp": DeviceParameters.DDP,  # one rank: plain; N ranks: gradients averaged
-    "fsdp": DeviceParameters.FSDP,  # parameters, gradients and optimizer state sharded
-    "hsdp": lambda **kw: DeviceParameters.HSDP(dp_shard=2, **kw),  # shard in pairs, replicate pairs
-    "tp": lambda **kw: DeviceParameters(dp_replicate="auto", tensor_parallel=2, **kw),  # x DDP on 4+ ranks
-    "fsdp_tp": lambda **kw: DeviceParameters(dp_replicate=1, dp_shard="auto", tensor_parallel=2, **kw),  # 4+ ranks
+def _layout(**device: Any) -> dict[str, Any]:
+    return {"device_parameters": device}
+
+
+# --parallel NAME: how ranks share the work (single: one process; tp needs 2 ranks, hsdp and fsdp_tp 4).
+PRESETS = {"parallel": {
+    "single": _layout(dp_replicate=1, dp_shard=1),
+    "ddp": _layout(dp_replicate="auto", dp_shard=1),  # one rank: plain; N ranks: gradients averaged
+    "fsdp": _layout(dp_replicate=1, dp_shard="auto"),  # parameters, gradients and optimizer state sharded
+    "hsdp": _layout(dp_replicate="auto", dp_shard=2),  # shard in pairs, replicate pairs
+    "tp": _layout(dp_replicate="auto", dp_shard=1, tensor_parallel=2),  # x DDP on 4+ ranks
+    "fsdp_tp": _layout(dp_replicate=1, dp_shard="auto", tensor_parallel=2),  # 4+ ranks
+}}
+
+# Short flags for the fields set most often (each is the dotted flag's other name).
+ALIASES = {
+    "--steps": "--training_parameters.max_steps",
+    "--batch-size": "--training_parameters.global_batch_size",
+    "--micro-batch-size": "--training_parameters.micro_batch_size",
+    "--val-every": "--training_parameters.val_every_n_steps",
+    "--val-batches": "--training_parameters.val_steps_per_epoch",
+    "--log-every": "--logging_parameters.log_every_n_steps",
+    "--compile": "--device_parameters.compile_model",
+    "--n-chars": "--data.n_chars",
+    "--data-dir": "--data.data_dir",
+    "--data-delay-ms": "--data.data_delay_ms",
+    "--block-size": "--model.block_size",
+    "--n-layer": "--model.n_layer",
+    "--n-head": "--model.n_head",
+    "--d-model": "--model.d_model",
+    "--root-dir": "--root_dir",
+    "--run-name": "--run_name",
+    "--checkpoint-every": "--checkpoint.every_n_steps",
+    "--async-checkpoint": "--checkpoint.async_mode",
+    "--resume": "--checkpoint.resume_mode",
+    "--ft-group": "--ft_group",
 }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=250, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=32,
-                   help="global batch size: samples per optimizer step over all data-parallel ranks (and replica groups)")
-    p.add_argument("--micro-batch-size", type=int, default=None,
-                   help="samples per forward pass on one rank (default: the rank's whole share; smaller: accumulation)")
-    p.add_argument("--lr", type=float, default=6e-3)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--val-every", type=int, default=50)
-    p.add_argument("--log-every", type=int, default=10, help="log training metrics every N steps")
-    p.add_argument("--val-batches", type=int, default=None, help="batches per validation (default: all)")
-    p.add_argument("--n-chars", type=int, default=400_000, help="size of the generated corpus")
-    p.add_argument("--data-dir", default=None, help="where the corpus's token files are made (default: <root-dir>/data)")
-    p.add_argument("--data-delay-ms", type=float, default=0.0,
-                   help="make every training batch this much slower to load (a slow data pipeline, to see it found)")
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--root-dir", default="runs")
-    p.add_argument("--run-name", default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--parallel", choices=sorted(PARALLEL), default="ddp",
-                   help="how ranks share the work (single: one process; tp needs 2 ranks, hsdp and fsdp_tp 4)")
-    p.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
-    p.add_argument("--progress", action="store_true", help="draw the progress bar even when not a terminal")
-    p.add_argument("--checkpoint-every", type=int, default=50, help="save a checkpoint every N steps (0: only at the end)")
-    p.add_argument("--async-checkpoint", choices=["off", "async", "async_pinned"], default="async",
-                   help="write checkpoints in the background (the loop waits only for a copy)")
-    p.add_argument("--resume", default="last",
-                   help="'last' (the newest checkpoint of this run name), 'none', or a checkpoint path")
-    p.add_argument("--ft-group", type=int, default=None,
-                   help="fault tolerant (torchft): this job is replica group N (see examples/gpt/fault_tolerant.py)")
-    p.add_argument("--lighthouse", default=None, help="the lighthouse, http://host:port (default: TORCHFT_LIGHTHOUSE)")
-    return p.parse_args(argv)
+# The layouts as DeviceParameters constructors (benchmarks: PARALLEL["fsdp"](device="cuda")).
+PARALLEL = {name: (lambda sizes: lambda **kw: DeviceParameters(**sizes, **kw))(preset["device_parameters"])
+            for name, preset in PRESETS["parallel"].items()}
 
 
-def _fault_tolerance(args: argparse.Namespace) -> list[Callback[Any]]:
-    if args.ft_group is None:
+def parse_args(argv: list[str]) -> GPTRunConfig:
+    """The demo's config from its flags (no subcommand): what the benchmarks build trainers from."""
+    return cli.parse(GPTRunConfig(), argv, aliases=ALIASES, presets=PRESETS).config
+
+
+def demo_config(config: TrainerConfig, demo: GPTRunConfig) -> GPTRunConfig:
+    """`demo`'s own fields (model, data, lr, ...) with `config`'s trainer fields."""
+    return dataclasses.replace(demo, **{f.name: getattr(config, f.name) for f in dataclasses.fields(TrainerConfig)})
+
+
+def _fault_tolerance(config: GPTRunConfig) -> list[Callback[Any]]:
+    if config.ft_group is None:
         return []
     from dream_trainer import FaultToleranceCallback, FaultToleranceParameters
 
-    return [FaultToleranceCallback(FaultToleranceParameters(lighthouse=args.lighthouse, replica_group_id=args.ft_group,
+    return [FaultToleranceCallback(FaultToleranceParameters(lighthouse=config.lighthouse, replica_group_id=config.ft_group,
                                                             heartbeat_interval=0.1, timeout_s=30.0))]
 
 
 def main(argv: list[str] | None = None, callbacks: list[Callback[Any]] | None = None,
-         trainer_cls: type[GPTTrainer] = GPTTrainer) -> GPTTrainer:
-    """Train the demo; `callbacks` are added to its own (see examples/callbacks).
-    `trainer_cls`: another model on the same data and loop (examples/llama)."""
-    args = parse_args(argv)
+         trainer_cls: type[GPTTrainer] = GPTTrainer, config: GPTRunConfig | None = None) -> Any:
+    """Run the command line (`argv`: default ``sys.argv[1:]``); returns the trainer for
+    ``train`` and ``resume`` (what the subcommand returns otherwise). `callbacks` are added
+    to the demo's own (see examples/callbacks); `trainer_cls`: another model on the same
+    data and loop (examples/llama); `config`: other defaults."""
     history = ValidationHistory()
-    config = TrainerConfig(
-        experiment=trainer_cls.experiment,
-        run_name=args.run_name,
-        root_dir=args.root_dir,
-        seed=args.seed,
-        device_parameters=PARALLEL[args.parallel](compile_model=args.compile),
-        training_parameters=TrainingParameters(
-            n_epochs=None,
-            max_steps=args.steps,
-            val_every_n_steps=args.val_every,
-            val_steps_per_epoch=args.val_batches,
-            global_batch_size=args.batch_size,
-            micro_batch_size=args.micro_batch_size,
-            gradient_clip_val=1.0,
-        ),
-        logging_parameters=LoggingParameters(log_every_n_steps=args.log_every),
-        callbacks=[
-            ProgressBarCallback(enabled=True if args.progress else None),
-            LoggerCallback(),
-            history,
-            CheckpointCallback(
-                CheckpointParameters(
-                    every_n_steps=args.checkpoint_every or None,
-                    async_mode=args.async_checkpoint,
-                    resume_mode=None if args.resume == "none" else args.resume,
-                    monitor="val/loss",
-                )
-            ),
-            *_fault_tolerance(args),
-            *(callbacks or []),
-        ],
-    )
-    trainer = trainer_cls(config, args)
-    trainer.fit()
-    if trainer.world.is_rank_zero:
+
+    def make(config: GPTRunConfig) -> GPTTrainer:
+        own = [ProgressBarCallback(enabled=True if config.progress else None), LoggerCallback(), history,
+               CheckpointCallback(config.checkpoint), *_fault_tolerance(config), *(callbacks or [])]
+        return trainer_cls(dataclasses.replace(config, callbacks=own))
+
+    result = cli.main(make, config or GPTRunConfig(), argv, aliases=ALIASES, presets=PRESETS,
+                      description="Train a tiny GPT on a generated corpus (examples/gpt/train.py).")
+    if isinstance(result, GPTTrainer) and result.world.is_rank_zero and history.history:
         steps = ", ".join(f"{step}: {loss:.3f}" for step, loss in history.history)
         print(f"validation loss by step: {steps}")
-        print(f"logs: {trainer.run_dir / 'logs'}")
-        if trainer.status == "preempted":
-            print(f"preempted at step {trainer.global_step}: run again with --run-name {trainer.run_name} to resume")
-    return trainer
+        print(f"logs: {result.run_dir / 'logs'}")
+        if result.status == "preempted":
+            print(f"preempted at step {result.global_step}: run again with --run-name {result.run_name} to resume")
+    return result
 
 
 if __name__ == "__main__":
     # 75 when preempted (SIGTERM/Ctrl-C: checkpointed at a step boundary), so a scheduler
     # or torchrun --max-restarts can tell it from a crash and restart to resume; with
     # --nproc N the launcher exits with the ranks' status too.
-    raise SystemExit(entrypoint(main).exit_code)
+    # Other subcommands return their output: status 0.
+    raise SystemExit(getattr(entrypoint(main), "exit_code", 0))

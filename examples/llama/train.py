@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from modeling_llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from dream_trainer import TrainerConfig, entrypoint  # noqa: E402
+from dream_trainer import entrypoint  # noqa: E402
 
 
 def _load_gpt_demo() -> Any:
@@ -43,18 +43,17 @@ GPTTrainer = _gpt.GPTTrainer
 class LlamaTrainer(GPTTrainer):
     """The GPT demo's trainer with a Llama model: its own build and parallelization hooks."""
 
-    experiment = "llama"
-
-    def __init__(self, config: TrainerConfig, args: Any):
-        super().__init__(config, args)
+    def __init__(self, config: Any):
+        super().__init__(config)
+        shape = config.model
         self.llama_config = LlamaConfig(
             vocab_size=self.tokenizer.vocab_size,
-            hidden_size=args.d_model,
-            intermediate_size=_multiple_of(int(8 * args.d_model / 3), 16),
-            num_hidden_layers=args.n_layer,
-            num_attention_heads=args.n_head,
-            num_key_value_heads=max(1, args.n_head // 2),
-            max_position_embeddings=args.block_size,
+            hidden_size=shape.d_model,
+            intermediate_size=_multiple_of(int(8 * shape.d_model / 3), 16),
+            num_hidden_layers=shape.n_layer,
+            num_attention_heads=shape.n_head,
+            num_key_value_heads=max(1, shape.n_head // 2),
+            max_position_embeddings=shape.block_size,
         )
 
     def configure_models(self) -> None:
@@ -98,8 +97,9 @@ def _multiple_of(value: int, multiple: int) -> int:
 
 
 def main(argv: list[str] | None = None, callbacks: list[Any] | None = None) -> LlamaTrainer:
-    return _gpt.main(argv, callbacks, trainer_cls=LlamaTrainer)  # type: ignore[return-value]
+    return _gpt.main(argv, callbacks, trainer_cls=LlamaTrainer,  # type: ignore[no-any-return]
+                     config=_gpt.GPTRunConfig(experiment="llama"))
 
 
 if __name__ == "__main__":
-    raise SystemExit(entrypoint(main).exit_code)
+    raise SystemExit(getattr(entrypoint(main), "exit_code", 0))

@@ -24,8 +24,8 @@ def _initial(example, parallel, root="runs"):
     record = Record(stop_after_configure=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = load(example).main([*SMALL, "--parallel", parallel, "--root-dir", root, "--resume", "none",
-                                      "--checkpoint-every", "0"], callbacks=[record])
+        trainer = load(example).main([*SMALL, "--parallel", parallel, "--root-dir", root, "--resume", "None",
+                                      "--checkpoint-every", "None"], callbacks=[record])
     assert trainer.status == "stopped"
     dtensor_warnings = [str(w.message) for w in caught if "DTensor random" in str(w.message)]
     return {"initial": record.initial, "warnings": dtensor_warnings,

@@ -177,7 +177,7 @@ def test_the_demo_kills_and_restarts_a_group(tmp_path):
     demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo)
     tiny = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "8",
-            "--n-chars", "50000", "--val-batches", "2", "--log-every", "1", "--checkpoint-every", "0"]
+            "--n-chars", "50000", "--val-batches", "2", "--log-every", "1", "--checkpoint-every", "None"]
     steps, kill_at = 60, 30
     summary = demo.run(["--root-dir", str(tmp_path), "--run-name", "demo", "--kill-group", "1", "--kill-at",
                         str(kill_at), "--restart-after", "0", "--steps", str(steps), "--timeout", "600", "--", *tiny])

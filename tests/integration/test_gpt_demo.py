@@ -20,10 +20,9 @@ SHORT = ["--steps", "40", "--val-every", "20", "--n-chars", "120000", "--val-bat
 
 
 def _load_demo():
-    spec = importlib.util.spec_from_file_location("gpt_train_demo", DEMO)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tests.demos import load
+
+    return load("gpt")
 
 
 def _scalars(log_dir):
@@ -119,7 +118,7 @@ def test_demo_profiled_for_a_short_schedule_then_keeps_training(tmp_path):
     demo = _load_demo()
     prof = ProfileCallback(wait=1, warmup=1, active=2, output_dir=tmp_path / "profile")
     trainer = demo.main(["--steps", "12", "--val-every", "12", "--val-batches", "2", "--n-chars", "40000",
-                         "--checkpoint-every", "0", "--root-dir", str(tmp_path), "--run-name", "prof"], callbacks=[prof])
+                         "--checkpoint-every", "None", "--root-dir", str(tmp_path), "--run-name", "prof"], callbacks=[prof])
     trace, table, _stacks = prof.exported
     events = json.loads(trace.read_text())["traceEvents"]
     assert {"aten::mm", "aten::addmm"} <= {e.get("name") for e in events}  # the head (no bias) and the other linears

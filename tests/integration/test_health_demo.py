@@ -1,7 +1,6 @@
 """All six health callbacks on the GPT demo: their metrics reach TensorBoard with plausible
 values (read back from the event files)."""
 
-import importlib.util
 from pathlib import Path
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "gpt" / "train.py"
@@ -18,14 +17,14 @@ def _scalars(log_dir):
 def test_health_monitors_on_the_demo(tmp_path):
     from dream_trainer.callbacks import health_callbacks
 
-    spec = importlib.util.spec_from_file_location("gpt_train_health", DEMO)
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
+    from tests.demos import load
+
+    demo = load("gpt")
     every = {"log_interval": 5}
     monitors = health_callbacks(gradient={**every, "min_history": 5}, memory=every, throughput={**every, "warmup_steps": 5},
                                 loss={**every, "min_history": 5}, anomaly=every, dashboard=False)
     trainer = demo.main(["--steps", "30", "--val-every", "15", "--val-batches", "2", "--n-chars", "60000",
-                         "--checkpoint-every", "0", "--resume", "none", "--log-every", "10", "--root-dir", str(tmp_path),
+                         "--checkpoint-every", "None", "--resume", "None", "--log-every", "10", "--root-dir", str(tmp_path),
                          "--run-name", "health"], callbacks=monitors)
     s = {tag: dict(values) for tag, values in _scalars(trainer.run_dir / "logs").items()}
     for tag in ("train/grad_norm", "train/grad_norm_avg", "train/clip_rate", "train/memory_current_mb", "train/memory_peak_mb",

@@ -1,0 +1,180 @@
+"""One command line for every trainer, built from its config dataclasses with tyro.
+
+    python train.py [SUBCOMMAND] [--config run.yaml ...] [--training_parameters.max_steps 100 ...]
+
+`main(make_trainer, config)` parses the command line into a `Command` (`parse`) and runs
+it (`dream_trainer.cli.commands`). The config is `TrainerConfig` or a subclass holding the
+trainer's own fields; every field gets a dotted flag, typed, with its docstring as help.
+Layers, each over the one before: the script's `config`, the run's recorded config
+(``resume RUN``), the ``--config`` files in order, the presets (``--parallel fsdp``), the
+flags. Unknown flags and keys are errors naming the nearest ones. A usage error prints the
+usage and exits with status 2, as command lines do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from dream_trainer.config_files import ConfigError, apply_config, config_to_data, load_config_file
+
+__all__ = ["SUBCOMMANDS", "Command", "main", "parse"]
+
+C = TypeVar("C")
+
+SUBCOMMANDS: dict[str, str] = {
+    "train": "train (the default): start the run, or resume it from its newest checkpoint",
+    "resume": "resume RUN: continue the run RUN (a run directory or a run name) with its recorded config",
+    "profile": "profile a few optimizer steps (ProfileCallback), then print the ops table and the trace's path",
+    "find-graph-breaks": "compile, run one step, report every graph break of each compiled region",
+    "benchmark": "train a few steps eager, then compiled, and compare tokens/s",
+    "summarize": "parameters and memory per rank for the planned mesh, FLOPs per token, the plan; no training",
+    "export": "export CHECKPOINT: write a checkpoint's model as safetensors (one process, no collectives)",
+}
+_POSITIONAL = {"resume": "RUN", "export": "CHECKPOINT"}
+
+
+@dataclass
+class Command:
+    """A parsed command line. `config`: the resolved config; `target`: ``resume``'s run or
+    ``export``'s checkpoint; `options`: the subcommand's own options."""
+
+    name: str
+    config: Any
+    target: str | None = None
+    init_from: str | None = None
+    print_config: bool = False
+    config_files: list[str] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)
+    argv: list[str] = field(default_factory=list)
+
+
+def _options(parser: argparse.ArgumentParser, name: str, presets: Mapping[str, Mapping[str, Any]]) -> None:
+    add = parser.add_argument
+    add("--config", action="append", default=[], metavar="FILE",
+        help="a JSON, TOML or YAML file of config values (repeat: later files override earlier ones)")
+    add("--print-config", action="store_true", help="print the resolved config (JSON, a valid --config file) and exit")
+    for preset, choices in presets.items():
+        add(f"--{preset}", choices=sorted(choices), default=None, help=f"preset ({', '.join(sorted(choices))})")
+    if name in ("train", "resume"):
+        add("--init-from", metavar="CHECKPOINT", default=None,
+            help="start from the weights of CHECKPOINT (models only: not its optimizer, step or data position)")
+    if name == "profile":
+        add("--active", type=int, default=3, help="optimizer steps recorded (after 1 wait and 1 warm-up step)")
+    if name == "find-graph-breaks":
+        add("--fullgraph", action="store_true", help="compile each region with fullgraph=True and report failures")
+    if name == "benchmark":
+        add("--bench-steps", type=int, default=12, help="optimizer steps per variant (eager, compiled)")
+        add("--bench-warmup", type=int, default=4, help="of which left out of the throughput (compile, warm-up)")
+    if name == "summarize":
+        add("--world-size", type=int, default=None, help="plan for this many ranks (default: this launch's)")
+        add("--local-world-size", type=int, default=None, help="ranks per node (default: the world size)")
+    if name == "export":
+        add("--output", default=None, help="the .safetensors file (default: <CHECKPOINT>/<model>.safetensors)")
+        add("--model", default="model", help="which model of the checkpoint")
+        add("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="cast floating tensors")
+        add("--trainable-only", action="store_true",
+            help="only the parameters that were trained (an optimizer holds state for them): a LoRA adapter")
+
+
+def parse(config: C, argv: Sequence[str] | None = None, *, aliases: Mapping[str, str] | None = None,
+          presets: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None, prog: str | None = None,
+          description: str | None = None) -> Command:
+    """Parse `argv` (default ``sys.argv[1:]``) against the dataclass instance `config`.
+
+    `aliases`: short flags for dotted ones (``{"--steps": "--training_parameters.max_steps"}``).
+    `presets`: named config fragments chosen by a flag (``{"parallel": {"fsdp": {...}}}``:
+    ``--parallel fsdp`` applies that mapping, after the files and before the flags)."""
+    import tyro
+
+    from dream_trainer.cli._tyro import registry
+
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        raise TypeError(f"cli.parse() needs a config dataclass instance, got {type(config).__name__}")
+    args = list(sys.argv[1:] if argv is None else argv)
+    original = list(args)
+    aliases, presets = dict(aliases or {}), dict(presets or {})
+    name = args.pop(0) if args and args[0] in SUBCOMMANDS else "train"
+    parser = argparse.ArgumentParser(prog=f"{prog or Path(sys.argv[0]).name} {name}", add_help=False,
+                                     allow_abbrev=False, description=SUBCOMMANDS[name])
+    parser.add_argument("-h", "--help", action="store_true")
+    _options(parser, name, presets)
+    target = None
+    if name in _POSITIONAL:
+        if not args or args[0].startswith("-"):
+            if not {"-h", "--help"} & set(args):
+                parser.error(f"{name} needs {_POSITIONAL[name]} first: {parser.prog} {_POSITIONAL[name]} [FLAGS]")
+        else:
+            target = args.pop(0)
+    args = [_alias(token, aliases) for token in args]
+    known, rest = parser.parse_known_args(args)
+    if known.help:
+        parser.print_help()
+        print(_epilog(aliases))
+        rest = ["--help"]
+    base = config
+    if name == "resume" and target is not None:
+        from dream_trainer.cli.records import recorded_config
+
+        try:
+            recorded = recorded_config(target, config)
+        except ConfigError as exc:
+            parser.error(str(exc))
+        base = _layer(parser, base, recorded, f"the record of run {target}")
+    for path in known.config:
+        try:
+            base = apply_config(base, load_config_file(path), source=path)
+        except ConfigError as exc:
+            parser.error(str(exc))
+    for preset in presets:
+        choice = getattr(known, preset.replace("-", "_"))
+        if choice is not None:
+            base = _layer(parser, base, presets[preset][choice], f"--{preset} {choice}")
+    resolved = tyro.cli(type(config), args=rest, default=base, registry=registry(), use_underscores=True,
+                        prog=parser.prog, description=description)
+    options = {k: v for k, v in vars(known).items() if k not in ("help", "config", "print_config", "init_from")
+               and k.replace("_", "-") not in presets}
+    return Command(name=name, config=resolved, target=target, init_from=getattr(known, "init_from", None),
+                   print_config=known.print_config, config_files=list(known.config), options=options, argv=original)
+
+
+def _alias(token: str, aliases: Mapping[str, str]) -> str:
+    flag, eq, value = token.partition("=")
+    return aliases[flag] + eq + value if flag in aliases else token
+
+
+def _layer(parser: argparse.ArgumentParser, config: C, mapping: Mapping[str, Any], source: str) -> C:
+    try:
+        return apply_config(config, mapping, source=source)
+    except ConfigError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+def _epilog(aliases: Mapping[str, str]) -> str:
+    lines = ["", "subcommands:", *(f"  {name:<18} {text}" for name, text in SUBCOMMANDS.items())]
+    if aliases:
+        lines += ["", "short flags:", *(f"  {a:<18} {target}" for a, target in aliases.items())]
+    lines += ["", "config fields (dotted flags):"]
+    return "\n".join(lines)
+
+
+def config_json(config: Any) -> str:
+    """The resolved config as JSON: what ``--print-config`` prints and ``--config`` reads."""
+    return json.dumps(config_to_data(config), indent=2)
+
+
+def main(make_trainer: Callable[[Any], Any], config: Any, argv: Sequence[str] | None = None, **kwargs: Any) -> Any:
+    """Parse the command line (`parse`, with its keyword arguments) and run the subcommand
+    with the trainers `make_trainer(config)` builds. Returns what the subcommand returns:
+    the trainer for ``train``/``resume``/``profile``/``find-graph-breaks``, a table for
+    ``benchmark``/``summarize``, the file for ``export``; None for ``--print-config``."""
+    from dream_trainer.cli.commands import run
+
+    return run(parse(config, argv, **kwargs), make_trainer)
