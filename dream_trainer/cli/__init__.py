@@ -122,8 +122,9 @@ def parse(config: C, argv: Sequence[str] | None = None, *, aliases: Mapping[str,
     if name == "resume" and target is not None:
         from dream_trainer.cli.records import recorded_config
 
+        where = {k: _peek(rest, k) or getattr(config, k) for k in ("root_dir", "experiment")}
         try:
-            recorded = recorded_config(target, config)
+            recorded = recorded_config(target, dataclasses.replace(config, **where))
         except ConfigError as exc:
             parser.error(str(exc))
         base = _layer(parser, base, recorded, f"the record of run {target}")
@@ -147,6 +148,16 @@ def parse(config: C, argv: Sequence[str] | None = None, *, aliases: Mapping[str,
 def _alias(token: str, aliases: Mapping[str, str]) -> str:
     flag, eq, value = token.partition("=")
     return aliases[flag] + eq + value if flag in aliases else token
+
+
+def _peek(args: list[str], name: str) -> str | None:
+    """The value of the flag ``--name`` (either spelling) among `args`, before tyro parses them."""
+    flags = {f"--{name}", f"--{name.replace('_', '-')}"}
+    for i, token in enumerate(args):
+        flag, eq, value = token.partition("=")
+        if flag in flags:
+            return value if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return None
 
 
 def _layer(parser: argparse.ArgumentParser, config: C, mapping: Mapping[str, Any], source: str) -> C:

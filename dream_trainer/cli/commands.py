@@ -71,7 +71,8 @@ def _profile(command: Command, make_trainer: Callable[[Any], Any]) -> Any:
     from dream_trainer.callbacks.profile import ProfileCallback
 
     active = command.options["active"]
-    trainer = _build(command, make_trainer, keep_checkpoints=False)
+    config = _with(command.config, training_parameters=_NO_VALIDATION)
+    trainer = _build(command, make_trainer, config, keep_checkpoints=False)
     profiler = ProfileCallback(wait=1, warmup=1, active=active, row_limit=25, stop_training=True)
     trainer.callbacks.add(profiler)
     trainer.fit()
@@ -87,7 +88,7 @@ def _profile(command: Command, make_trainer: Callable[[Any], Any]) -> Any:
 def _graph_breaks(command: Command, make_trainer: Callable[[Any], Any]) -> Any:
     from dream_trainer.callbacks.graph_breaks import FindGraphBreaksCallback
 
-    config = _with(command.config, device_parameters={"compile_model": True})
+    config = _with(command.config, device_parameters={"compile_model": True}, training_parameters=_NO_VALIDATION)
     trainer = _build(command, make_trainer, config, keep_checkpoints=False)
     finder = FindGraphBreaksCallback(fullgraph=command.options["fullgraph"])
     trainer.callbacks.add(finder)
@@ -99,7 +100,7 @@ def _graph_breaks(command: Command, make_trainer: Callable[[Any], Any]) -> Any:
             lines.append(f"  {region}: not run by the step")
         elif "breaks" in found:
             lines.append(f"  {region}: {found['breaks']} break(s), {found.get('graphs', '?')} graph(s)")
-            lines += [f"    - {b.get('reason', b)}" for b in found.get("break_reasons", [])][:20]
+            lines += [f"    - {b['reason']} ({b['file']}:{b['line']})" for b in found.get("break_reasons", [])][:20]
         else:
             lines.append(f"  {region}: {'compiles with fullgraph=True' if found.get('ok') else found.get('error')}")
     _print0(trainer, "\n".join(lines) + f"\nreport: {trainer.run_dir / finder.log_file}")
@@ -116,8 +117,7 @@ def _benchmark(command: Command, make_trainer: Callable[[Any], Any]) -> dict[str
     trainer = None
     for variant, compiled in (("eager", False), ("compiled", True)):
         config = _with(command.config, device_parameters={"compile_model": compiled},
-                       training_parameters={"max_steps": steps, "n_epochs": None, "val_every_n_steps": None,
-                                            "validate_at_epoch_end": False, "num_sanity_val_steps": 0})
+                       training_parameters={"max_steps": steps, "n_epochs": None, **_NO_VALIDATION})
         trainer = _build(command, make_trainer, config, keep_checkpoints=False, record=False)
         report = PerformanceReportCallback(warmup_steps=warm)
         trainer.callbacks.add(report)
@@ -143,7 +143,7 @@ def _benchmark(command: Command, make_trainer: Callable[[Any], Any]) -> dict[str
 
 
 def _summarize(command: Command, make_trainer: Callable[[Any], Any]) -> dict[str, Any]:
-    config = _with(command.config, training_parameters={"num_sanity_val_steps": 0})
+    config = _with(command.config, training_parameters=_NO_VALIDATION)
     trainer = _build(command, make_trainer, config, keep_checkpoints=False, record=False)
     summary = _Summary()
     trainer.callbacks.add(summary)
@@ -241,6 +241,9 @@ def _export(command: Command, make_trainer: Callable[[Any], Any]) -> Path:
         keys = list(f.keys())
     print(f"exported {len(keys)} tensor(s) of model {opts['model']!r} from {checkpoint} to {path}", flush=True)
     return path
+
+
+_NO_VALIDATION = {"val_every_n_steps": None, "validate_at_epoch_end": False, "num_sanity_val_steps": 0}
 
 
 def _with(config: Any, **groups: dict[str, Any]) -> Any:

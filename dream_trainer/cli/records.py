@@ -20,6 +20,7 @@ from typing import Any
 from dream_trainer.config_files import FIXED_ON_RESUME, ConfigError, config_to_data
 
 RECORD = "run.json"
+_IDENTITY = ("run_name", "root_dir", "experiment")  # where the run is, not how it runs
 _PACKAGES = ("torch", "torchao", "torchft", "dream-trainer")
 
 
@@ -126,7 +127,7 @@ def compare(record: dict[str, Any], new: dict[str, Any], config_cls: type) -> tu
     old_config, new_config = _flat(record["config"]), _flat(new["config"])
     fixed = fixed_fields(config_cls)
     changed = sorted(k for k in old_config.keys() | new_config.keys()
-                     if old_config.get(k, "(absent)") != new_config.get(k, "(absent)") and k != "run_name")
+                     if old_config.get(k, "(absent)") != new_config.get(k, "(absent)") and k not in _IDENTITY)
 
     def describe(key: str) -> str:
         return f"{key}: {old_config.get(key, '(absent)')!r} -> {new_config.get(key, '(absent)')!r}"
