@@ -32,6 +32,7 @@ from dream_trainer.callbacks.optimize_fsdp import OptimizeFSDPCallback, Optimize
 from dream_trainer.callbacks.performance import PerformanceReportCallback, PerformanceReport
 from dream_trainer.callbacks.profile import ProfileCallback
 from dream_trainer.callbacks.progress import ProgressBarCallback, ProgressBar
+from dream_trainer.callbacks.run_record import InitFromCheckpointCallback, RunRecordCallback
 from dream_trainer.protocol import (
     CONTEXT_HOOKS,
     HOOKS,
@@ -67,6 +68,8 @@ __all__ = [
     "PerformanceReportCallback",
     "PerformanceReport",
     "ProfileCallback",
+    "RunRecordCallback",
+    "InitFromCheckpointCallback",
     "ProgressBarCallback",
     "ProgressBar",
     "RankZeroCallback",

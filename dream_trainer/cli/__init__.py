@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from dream_trainer.config_files import ConfigError, apply_config, config_to_data, load_config_file
 
-__all__ = ["SUBCOMMANDS", "Command", "main", "parse"]
+__all__ = ["SUBCOMMANDS", "Command", "config_json", "main", "parse"]
 
 C = TypeVar("C")
 

@@ -80,7 +80,7 @@ def _callbacks(fp8, health):
     return out
 
 
-def _train(model, layout, compiled, fp8, health, root, run_name, resume="none"):
+def _train(model, layout, compiled, fp8, health, root, run_name, resume="None"):
     record = Record()
     args = [*ARGS, "--parallel", layout, "--root-dir", root, "--run-name", run_name, "--resume", resume]
     trainer = load(model).main([*args, *(["--compile"] if compiled else [])], callbacks=[record, *_callbacks(fp8, health)])

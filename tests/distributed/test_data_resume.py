@@ -24,7 +24,7 @@ ARGS = [*SMALL, "--steps", str(STEPS), "--val-every", str(CUT), "--checkpoint-ev
 TOLERANCE = {"ddp": 1e-5, "fsdp": 1e-4}  # fsdp: tests/acceptance/test_matrix.py's eager float32 tolerance
 
 
-def _train(root: str, run: str, resume: str = "none", parallel: str = "ddp") -> dict:
+def _train(root: str, run: str, resume: str = "None", parallel: str = "ddp") -> dict:
     record = Record()
     argv = [*ARGS, "--root-dir", root, "--run-name", run, "--resume", resume, "--parallel", parallel]
     trainer = load("gpt").main(argv, callbacks=[record])
@@ -42,7 +42,7 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_and_one_on_two(tmp_path, layou
     """`layout`: the 2-rank runs' (DDP, or FSDP2 with sharded checkpoints); one rank is one
     process without sharding."""
     one = _train(str(tmp_path), "one")
-    two = spawn_world(2, _train, str(tmp_path), "two", "none", layout, timeout=300)[0]
+    two = spawn_world(2, _train, str(tmp_path), "two", "None", layout, timeout=300)[0]
     assert (one["accumulation"], two["accumulation"]) == (2, 1)  # 16 = 1 x 8 x 2 = 2 x 8 x 1
     assert sorted(one["losses"]) == sorted(two["losses"]) == list(range(1, STEPS + 1))
     # The same global batches from the start: the layouts track each other.
