@@ -33,6 +33,7 @@ from dream_trainer.callbacks.performance import PerformanceReportCallback, Perfo
 from dream_trainer.callbacks.profile import ProfileCallback
 from dream_trainer.callbacks.progress import ProgressBarCallback, ProgressBar
 from dream_trainer.callbacks.run_record import InitFromCheckpointCallback, RunRecordCallback
+from dream_trainer.callbacks.trackers import MLflowLoggerCallback, WandbLoggerCallback
 from dream_trainer.protocol import (
     CONTEXT_HOOKS,
     HOOKS,
@@ -69,6 +70,8 @@ __all__ = [
     "PerformanceReport",
     "ProfileCallback",
     "RunRecordCallback",
+    "WandbLoggerCallback",
+    "MLflowLoggerCallback",
     "InitFromCheckpointCallback",
     "ProgressBarCallback",
     "ProgressBar",

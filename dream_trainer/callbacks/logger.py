@@ -93,19 +93,7 @@ class LoggerCallback(RankZeroCallback[LoggedTrainer]):
             self._print(f"step {step}: " + "  ".join(f"{k}={_short(v)}" for k, v in metrics.items()))
 
     def _numbers(self, metrics: dict[str, Any], step: int) -> dict[str, float]:
-        """The values as floats; a value that is not a number would break a sink (and with it
-        the whole call): left out, with a warning once per name."""
-        out: dict[str, float] = {}
-        for name, value in metrics.items():
-            if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
-                out[name] = float(value)  # on_log runs on log steps: a read is expected there
-            elif isinstance(value, numbers.Real):
-                out[name] = float(value)
-            elif name not in self._refused:
-                self._refused.add(name)
-                logger.warning("LoggerCallback: metric %r=%r (%s) at step %d is not a number: it is not written "
-                               "(warned once per name)", name, value, type(value).__name__, step)
-        return out
+        return numbers_only(metrics, step, self._refused, type(self).__name__)
 
     def _print(self, line: str) -> None:
         print(line, file=self.console or sys.stdout, flush=True)
@@ -140,6 +128,23 @@ class LoggerCallback(RankZeroCallback[LoggedTrainer]):
 
     def on_teardown(self, status: str) -> None:
         self.close()
+
+
+def numbers_only(metrics: dict[str, Any], step: int, refused: set[str], owner: str) -> dict[str, float]:
+    """The values of `metrics` as floats. A value that is not a number would break a sink
+    (and with it the whole call): it is left out, with a warning once per name (`refused`
+    holds the names already warned about)."""
+    out: dict[str, float] = {}
+    for name, value in metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+            out[name] = float(value)  # on_log runs on log steps: a read is expected there
+        elif isinstance(value, numbers.Real):
+            out[name] = float(value)
+        elif name not in refused:
+            refused.add(name)
+            logger.warning("%s: metric %r=%r (%s) at step %d is not a number: it is not written (warned once per "
+                           "name)", owner, name, value, type(value).__name__, step)
+    return out
 
 
 def _short(value: float) -> str:

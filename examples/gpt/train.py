@@ -30,7 +30,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.utils.data import DataLoader
@@ -103,6 +103,8 @@ class GPTRunConfig(TrainerConfig):
         warmup: linear warm-up steps, then cosine decay to 10 % at the last step.
         checkpoint: when checkpoints are saved and what is resumed.
         progress: draw the progress bar even when not a terminal.
+        trackers: experiment trackers beside TensorBoard: wandb (offline, under the run
+            directory) and/or mlflow (a file store under root_dir/mlruns).
         ft_group: fault tolerant (torchft): this job is replica group N (see
             examples/gpt/fault_tolerant.py).
         lighthouse: the torchft lighthouse, http://host:port (default: TORCHFT_LIGHTHOUSE).
@@ -121,6 +123,7 @@ class GPTRunConfig(TrainerConfig):
     checkpoint: CheckpointParameters = field(default_factory=lambda: CheckpointParameters(
         every_n_steps=50, async_mode="async", monitor="val/loss"))
     progress: bool = False
+    trackers: tuple[Literal["wandb", "mlflow"], ...] = ()
     ft_group: int | None = None
     lighthouse: str | None = None
 
@@ -299,6 +302,13 @@ def demo_config(config: TrainerConfig, demo: GPTRunConfig) -> GPTRunConfig:
     return dataclasses.replace(demo, **{f.name: getattr(config, f.name) for f in dataclasses.fields(TrainerConfig)})
 
 
+def _trackers(config: GPTRunConfig) -> list[Callback[Any]]:
+    from dream_trainer.callbacks import MLflowLoggerCallback, WandbLoggerCallback
+
+    made = {"wandb": WandbLoggerCallback, "mlflow": MLflowLoggerCallback}
+    return [made[name]() for name in dict.fromkeys(config.trackers)]
+
+
 def _fault_tolerance(config: GPTRunConfig) -> list[Callback[Any]]:
     if config.ft_group is None:
         return []
@@ -318,7 +328,7 @@ def main(argv: list[str] | None = None, callbacks: list[Callback[Any]] | None = 
 
     def make(config: GPTRunConfig) -> GPTTrainer:
         own = [ProgressBarCallback(enabled=True if config.progress else None), LoggerCallback(), history,
-               CheckpointCallback(config.checkpoint), *_fault_tolerance(config), *(callbacks or [])]
+               CheckpointCallback(config.checkpoint), *_trackers(config), *_fault_tolerance(config), *(callbacks or [])]
         return trainer_cls(dataclasses.replace(config, callbacks=own))
 
     result = cli.main(make, config or GPTRunConfig(), argv, aliases=ALIASES, presets=PRESETS,
