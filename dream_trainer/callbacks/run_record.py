@@ -36,7 +36,7 @@ class RunRecordCallback(Callback[BaseTrainer]):
         self.path: Path | None = None
 
     def pre_configure(self) -> None:
-        from dream_trainer.cli.records import compare, make_record, read_record, write_record
+        from dream_trainer.run_records import compare, make_record, read_record, write_record
 
         trainer, world = self.trainer, self.trainer.world
         decision: Any = None

@@ -120,7 +120,7 @@ def parse(config: C, argv: Sequence[str] | None = None, *, aliases: Mapping[str,
         rest = ["--help"]
     base = config
     if name == "resume" and target is not None:
-        from dream_trainer.cli.records import recorded_config
+        from dream_trainer.run_records import recorded_config
 
         where = {k: _peek(rest, k) or getattr(config, k) for k in ("root_dir", "experiment")}
         try:

@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import types
 import typing
 from typing import Any, Union
 
 import torch
 from tyro import _docstrings
 from tyro.constructors import (
+    MISSING_NONPROP,
     ConstructorRegistry,
     PrimitiveConstructorSpec,
     PrimitiveTypeInfo,
@@ -55,7 +57,7 @@ def _dtype_rule(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec[torch.dtype
 def _text_paths(annotation: Any) -> Any:
     """``str | os.PathLike[str] | None`` → ``str | None``: a path is given as text."""
     args = typing.get_args(annotation)
-    if typing.get_origin(annotation) in (Union, getattr(__import__("types"), "UnionType", Union)) and any(
+    if typing.get_origin(annotation) in (Union, types.UnionType) and any(
             typing.get_origin(a) is os.PathLike or a is os.PathLike for a in args):
         kept = tuple(a for a in args if not (typing.get_origin(a) is os.PathLike or a is os.PathLike))
         return Union[kept] if len(kept) > 1 else kept[0]
@@ -67,10 +69,10 @@ def _config_rule(info: StructTypeInfo) -> StructConstructorSpec | None:
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         return None
     fields = [f for f in dataclasses.fields(cls) if f.init]
-    types = field_types(cls)
-    adjusted = {f.name: _text_paths(types[f.name]) for f in fields}
+    annotations = field_types(cls)
+    adjusted = {f.name: _text_paths(annotations[f.name]) for f in fields}
     code = {f.name for f in fields if f.metadata.get("code")}
-    if not code and all(adjusted[f.name] is types[f.name] and types[f.name] is not Any for f in fields):
+    if not code and all(adjusted[f.name] is annotations[f.name] and annotations[f.name] is not Any for f in fields):
         return None  # tyro's own dataclass rule
     default = info.default if dataclasses.is_dataclass(info.default) and not isinstance(info.default, type) else None
     specs = []
@@ -84,7 +86,7 @@ def _config_rule(info: StructTypeInfo) -> StructConstructorSpec | None:
         elif f.default_factory is not dataclasses.MISSING:
             value = f.default_factory()
         else:
-            from tyro.constructors import MISSING_NONPROP as value
+            value = MISSING_NONPROP
         helptext = f.metadata.get("help") or functools.partial(_docstrings.get_field_docstring, cls, f.name,
                                                                 info.markers)
         specs.append(StructFieldSpec(name=f.name, type=adjusted[f.name], default=value, helptext=helptext))

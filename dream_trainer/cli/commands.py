@@ -166,7 +166,7 @@ class _Summary(Callback[Any]):
         trainer, world = self.trainer, self.trainer.world
         local = trainer_bytes(trainer)
         ranks = world.all_gather_object(local) if world.world_size > 1 else [local]
-        full = sum(p.numel() for m in trainer.named_models().values() for p in _unique(m))
+        full = sum(p.numel() for m in trainer.named_models().values() for p in m.parameters())
         plan = world.plan
         self.result = {
             "parameters": full, "trainable_parameters": local["trainable_full"],
@@ -200,7 +200,7 @@ def trainer_bytes(trainer: Any) -> dict[str, Any]:
     of the optimizer state's (Adam: two tensors per trained parameter; None: unknown)."""
     params = trainable = trainable_full = param_bytes = grad_bytes = 0
     for model in trainer.named_models().values():
-        for p in _unique(model):
+        for p in model.parameters():  # a tied parameter once
             t = p.to_local() if hasattr(p, "to_local") else p
             params += t.numel()
             param_bytes += t.numel() * t.element_size()
@@ -222,10 +222,6 @@ def trainer_bytes(trainer: Any) -> dict[str, Any]:
                 optimizer_bytes += per * t.numel() * 4 if p.requires_grad else 0
     return {"params": params, "trainable": trainable, "trainable_full": trainable_full, "param_bytes": param_bytes,
             "grad_bytes": grad_bytes, "optimizer_bytes": optimizer_bytes}
-
-
-def _unique(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return list(model.parameters())  # parameters() already yields a tied parameter once
 
 
 def _export(command: Command, make_trainer: Callable[[Any], Any]) -> Path:

@@ -13,7 +13,7 @@ import torch
 
 from dream_trainer import Callback, TrainerConfig, TrainingParameters
 from dream_trainer.cli import config_json, parse
-from dream_trainer.cli.records import compare, fixed_fields, make_record
+from dream_trainer.run_records import compare, fixed_fields, make_record
 from dream_trainer.config_files import FIXED_ON_RESUME
 
 
