@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
 
-from train import PARALLEL, GPTTrainer, parse_args  # noqa: E402
+from train import PARALLEL, GPTTrainer, demo_config, parse_args  # noqa: E402
 
 from dream_trainer import LoggingParameters, TrainerConfig, TrainingParameters  # noqa: E402
 from dream_trainer.testing import spawn_world  # noqa: E402
@@ -72,7 +72,7 @@ def run(size: str, mode: str, steps: int, batch_size: int, block_size: int, devi
             logging_parameters=LoggingParameters(log_every_n_steps=10**9, log_lr=False),
             callbacks=[timer],
         )
-        trainer = ModeTrainer(config, args)
+        trainer = ModeTrainer(demo_config(config, args))
         start = time.perf_counter()
         try:
             trainer.fit()
