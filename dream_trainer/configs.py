@@ -342,6 +342,10 @@ class FaultToleranceParameters:
             when a group is restarted. None: the ``REPLICA_GROUP_ID`` environment variable.
         min_replica_size: the number of groups that must take part in a step for it to be
             committed (with fewer, the step is not applied and the group waits for peers).
+        start_groups: a fresh run (no group has committed a step) waits at its first step
+            until this many groups are in the quorum, so that they start together, for at
+            most `quorum_timeout_s` (then `FaultToleranceError`); later quorums, and a group
+            joining a run under way, never wait for it. 1: start with whoever is there.
         checkpoint_interval: steps between disk checkpoints while fault tolerant (the run's
             `CheckpointCallback` saves every N steps; needs one). Healing from a live peer
             persists nothing: these checkpoints are what survives losing every group at once.
@@ -370,6 +374,7 @@ class FaultToleranceParameters:
     lighthouse: str | None = None
     replica_group_id: int | None = None
     min_replica_size: int = 1
+    start_groups: int = 1
     checkpoint_interval: int | None = None
     max_failures: int | None = None
     heartbeat_interval: float = 0.1
@@ -390,6 +395,7 @@ class FaultToleranceParameters:
             )
         _positive_int(owner, "replica_group_id", self.replica_group_id, allow_none=True, allow_zero=True)
         _positive_int(owner, "min_replica_size", self.min_replica_size)
+        _positive_int(owner, "start_groups", self.start_groups)
         _positive_int(owner, "checkpoint_interval", self.checkpoint_interval, allow_none=True)
         _positive_int(owner, "max_failures", self.max_failures, allow_none=True, allow_zero=True)
         for name in ("heartbeat_interval", "lighthouse_heartbeat_timeout_s", "timeout_s", "quorum_timeout_s",

@@ -275,6 +275,8 @@ class FaultTolerantWorld(DistributedWorld):
         self._in_quorum = True
         try:
             manager.start_quorum()
+            if self._attempt == 0:
+                started = self._wait_for_start_groups() or started  # the quorum (and heal) that counts
         finally:
             self._in_quorum = False
         quorum_s = time.perf_counter() - started
@@ -295,6 +297,27 @@ class FaultTolerantWorld(DistributedWorld):
         if self.participants != previous:
             self._event("quorum", participants=self.participants, replica_rank=self.replica_rank, seconds=quorum_s)
         self._report_losses(previous, quorum_s)
+
+    def _wait_for_start_groups(self) -> float | None:
+        """At a fresh run's first step, form quorums again until `start_groups` groups are
+        in one (every rank of a group sees the same quorum, so all decide alike); returns
+        when the last quorum began, None when none was formed again."""
+        manager, wanted, started = self.manager, self.ft.start_groups, None
+        deadline = time.monotonic() + self.ft.quorum_timeout_s
+        if manager.num_participants() < wanted and manager.current_step() == 0:
+            self._event("waiting_for_groups", participants=manager.num_participants(), wanted=wanted)
+            logger.info("replica group %d: waiting for start_groups=%d groups (%d in the quorum)", self.group_id, wanted,
+                        manager.num_participants())
+        while manager.num_participants() < wanted and manager.current_step() == 0:
+            if time.monotonic() > deadline:
+                raise FaultToleranceError(
+                    f"replica group {self.group_id}: {manager.num_participants()} of start_groups={wanted} groups joined "
+                    f"within quorum_timeout_s={self.ft.quorum_timeout_s:g} s; start the others, or lower "
+                    "FaultToleranceParameters.start_groups")
+            time.sleep(0.05)
+            started = time.perf_counter()
+            manager.start_quorum()
+        return started
 
     def _report_losses(self, previous: int, quorum_s: float) -> None:
         """One warning line for groups lost since the last quorum, with the error that kept

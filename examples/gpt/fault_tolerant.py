@@ -56,6 +56,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     root = Path(args.root_dir)
     train_args = ["--steps", str(args.steps), "--run-name", args.run_name, "--root-dir", str(root),
+                  "--ft-start-groups", str(args.groups),  # they start together, whenever each is up
                   "--parallel", args.parallel, *(["--nproc", str(args.nproc)] if args.nproc > 1 else []), *extra]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     deadline = time.monotonic() + args.timeout
@@ -73,7 +74,11 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
                 group.start()
             victim = groups[args.kill_group] if args.kill_group is not None else None
             if victim is not None:
-                wait_until(lambda: victim.reached(args.kill_at, args.groups), groups, left(), f"step {args.kill_at}")
+                wait_until(lambda: victim.reached(args.kill_at, args.groups) or not victim.alive, groups, left(),
+                           f"step {args.kill_at}")
+                if not victim.alive:
+                    raise RuntimeError(f"replica group {args.kill_group} ended before step {args.kill_at} with every "
+                                       f"group (its last: {victim.events()[-1:]}); raise --steps or lower --kill-at")
                 victim.kill()
                 killed = time.time()
                 print(f"killed replica group {args.kill_group} (SIGKILL) at step {args.kill_at}", flush=True)

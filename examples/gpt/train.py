@@ -108,6 +108,8 @@ class GPTRunConfig(TrainerConfig):
         ft_group: fault tolerant (torchft): this job is replica group N (see
             examples/gpt/fault_tolerant.py).
         lighthouse: the torchft lighthouse, http://host:port (default: TORCHFT_LIGHTHOUSE).
+        ft_start_groups: a fresh fault-tolerant run waits at its first step until this many
+            groups are in the quorum (FaultToleranceParameters.start_groups).
     """
 
     experiment: str = "gpt"  # runs go to <root>/gpt/<run name>
@@ -126,6 +128,7 @@ class GPTRunConfig(TrainerConfig):
     trackers: tuple[Literal["wandb", "mlflow"], ...] = ()
     ft_group: int | None = None
     lighthouse: str | None = None
+    ft_start_groups: int = 1
 
 
 class GPTTrainer(DreamTrainer):
@@ -284,6 +287,7 @@ ALIASES = {
     "--async-checkpoint": "--checkpoint.async_mode",
     "--resume": "--checkpoint.resume_mode",
     "--ft-group": "--ft_group",
+    "--ft-start-groups": "--ft_start_groups",
 }
 
 
@@ -315,6 +319,7 @@ def _fault_tolerance(config: GPTRunConfig) -> list[Callback[Any]]:
     from dream_trainer import FaultToleranceCallback, FaultToleranceParameters
 
     return [FaultToleranceCallback(FaultToleranceParameters(lighthouse=config.lighthouse, replica_group_id=config.ft_group,
+                                                            start_groups=config.ft_start_groups,
                                                             heartbeat_interval=0.1, timeout_s=30.0))]
 
 

@@ -13,6 +13,7 @@ them are then in the first quorum, whatever their start-up times).
 meanwhile: it is then up, heartbeating, when this group's next quorum forms).
 ``--tokens PATH --global-batch N``: train from a token file with a `TokenLoader` instead (a
 global batch of N samples split over the quorum's groups; the features are token windows).
+``--start-groups N``: FaultToleranceParameters.start_groups (``--quorum-timeout`` its bound).
 ``--evil-heal PATH``: a malicious peer: the heal this group sends holds an object whose
 unpickling would create the directory PATH (a receiver must refuse it, PATH never appears).
 Each rank writes its model's final parameters to ``<group dir>/final.rank<R>.pt`` and the
@@ -138,6 +139,8 @@ def main() -> Worker:
     p.add_argument("--die-at", type=int, default=None)
     p.add_argument("--checkpoint-interval", type=int, default=None)
     p.add_argument("--max-failures", type=int, default=None)
+    p.add_argument("--start-groups", type=int, default=1)
+    p.add_argument("--quorum-timeout", type=float, default=120.0)
     p.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp")
     p.add_argument("--gate", default=None)
     p.add_argument("--hold", default=None)
@@ -162,7 +165,9 @@ def main() -> Worker:
         callbacks=[
             FaultToleranceCallback(FaultToleranceParameters(replica_group_id=args.group, timeout_s=20.0,
                                                             checkpoint_interval=args.checkpoint_interval,
-                                                            max_failures=args.max_failures)),
+                                                            max_failures=args.max_failures,
+                                                            start_groups=args.start_groups,
+                                                            quorum_timeout_s=args.quorum_timeout)),
             Samples(args.hold, overlap=not args.no_overlap, evil_heal=args.evil_heal),
             *([StartGate(args.gate)] if args.gate else []),
             LoggerCallback(tensorboard=False),

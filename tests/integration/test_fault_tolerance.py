@@ -234,6 +234,43 @@ def test_max_failures_halts_the_survivor(tmp_path, lighthouse):
     assert "FaultToleranceError: 1 replica group failure(s) so far, more than max_failures=0" in groups[0].output.read_text()
 
 
+def test_start_groups_waits_for_a_late_group(tmp_path, lighthouse):
+    """start_groups=2 with 2 ranks per group (FSDP2 inside): group 0 starts alone and waits
+    at its first step (both of its ranks, on the same quorums) until group 1, started only
+    once group 0 says it waits, is in the quorum: every step is trained by both groups."""
+    flags = ("--steps", "8", "--start-groups", "2", "--parallel", "fsdp")
+    first, late = (_worker(tmp_path, g, lighthouse, *flags, nproc=2) for g in (0, 1))
+    groups = [first, late]
+    try:
+        first.start()
+        wait_until(lambda: any(e["event"] == "waiting_for_groups" for e in first.events()), groups, 300,
+                   "group 0 waiting for group 1")
+        late.start()
+        assert [group.wait(timeout=300) for group in groups] == [0, 0]
+    finally:
+        for group in groups:
+            group.kill()
+    for group in groups:
+        steps = [e for e in group.events() if e["event"] == "step"]
+        assert _committed(steps) == list(range(1, 9)) and {e["participants"] for e in steps} == {2}
+    waited = [e for e in first.events() if e["event"] == "waiting_for_groups"]
+    assert [(e["participants"], e["wanted"]) for e in waited] == [(1, 2)]
+
+
+def test_start_groups_never_reached_fails_within_the_quorum_timeout(tmp_path, lighthouse):
+    """start_groups=2 and only one group: FaultToleranceError (exit 1) after quorum_timeout_s,
+    naming the count; no step trained."""
+    alone = _worker(tmp_path, 0, lighthouse, "--steps", "5", "--start-groups", "2", "--quorum-timeout", "2")
+    try:
+        alone.start()
+        assert alone.wait(timeout=300) == 1
+    finally:
+        alone.kill()
+    assert ("FaultToleranceError: replica group 0: 1 of start_groups=2 groups joined within quorum_timeout_s=2 s"
+            in alone.output.read_text())
+    assert not [e for e in alone.events() if e["event"] == "step"]
+
+
 def test_every_group_lost_resumes_from_disk(tmp_path, lighthouse):
     """Both groups SIGKILLed at once: their disk checkpoints (every 5 steps, the Manager's
     committed-step count included) resume the run, and they finish identical."""
