@@ -364,16 +364,35 @@ def load_checkpoint(path: str | os.PathLike[str], template: dict[str, Any], stri
 def load_weights(path: str | os.PathLike[str], models: dict[str, torch.nn.Module], strict: bool = True) -> None:
     """Load the weights of `models` (by the trainer's model names) from the checkpoint at
     `path`, and nothing else: no optimizer, counter, RNG or data position (fine-tuning,
-    ``--init-from``). Any sharding on either side; every rank of the world calls it."""
+    ``--init-from``). Any sharding on either side; every rank of the world calls it.
+
+    A peft model (LoRA, ...) loads from a checkpoint of the model it wraps (none of its own
+    names in it): each base weight from its name there (`dream_trainer.adapters.base_keys`),
+    the adapters keeping their init; `strict` then holds for the base weights."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    from dream_trainer.adapters import base_keys
 
     path = Path(path)
     _check_format(path)
-    template = {"models": {name: get_model_state_dict(m) for name, m in models.items()}}
+    saved = _read_metadata(path).state_dict_metadata
+    template: dict[str, Any] = {"models": {}}
+    names: dict[str, dict[str, str]] = {}
+    partial = set()  # models whose adapters are not loaded
+    for name, model in models.items():
+        state = get_model_state_dict(model)
+        names[name], adapters = ({k: k for k in state}, set()) if any(f"models.{name}.{k}" in saved for k in state) \
+            else base_keys(model, state)
+        if adapters:
+            partial.add(name)
+            logger.info("%s: %d adapter weight(s) keep their init; the wrapped model's from %s", name, len(adapters), path)
+        template["models"][name] = {names[name][k]: v for k, v in state.items() if k not in adapters}
     template = match_template(path, template, strict)
     _dcp_load(template, path)
     for name, model in models.items():
-        set_model_state_dict(model, template["models"].get(name, {}), options=StateDictOptions(strict=strict))
+        own = {saved_as: key for key, saved_as in names[name].items()}
+        loaded = {own[k]: v for k, v in template["models"].get(name, {}).items()}
+        set_model_state_dict(model, loaded, options=StateDictOptions(strict=strict and name not in partial))
 
 
 def _trained_names(saved: dict[str, Any]) -> set[str]:

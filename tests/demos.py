@@ -1,4 +1,4 @@
-"""The example trainers as tests use them: the GPT demo and the Llama example, loaded from
+"""The example trainers as tests use them: the GPT demo, the Llama and LoRA examples, loaded from
 their files, run through their own ``main`` with short settings, and a callback that records
 what a test compares (the initial weights, per-step losses, the final weights)."""
 
@@ -14,7 +14,8 @@ import torch
 from dream_trainer import Callback, StopTraining
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = {"gpt": ROOT / "examples" / "gpt" / "train.py", "llama": ROOT / "examples" / "llama" / "train.py"}
+EXAMPLES = {"gpt": ROOT / "examples" / "gpt" / "train.py", "llama": ROOT / "examples" / "llama" / "train.py",
+            "lora": ROOT / "examples" / "gpt" / "lora.py"}
 
 # A small model and corpus: a few seconds per run on one core.
 SMALL = ["--n-chars", "20000", "--d-model", "64", "--n-layer", "2", "--n-head", "4", "--block-size", "32",
