@@ -14,7 +14,8 @@ from dream_trainer.callbacks import (
     SkipBatch,
     StopTraining,
 )
-from dream_trainer.checkpoint import CheckpointError, CheckpointInfo, export_model, list_checkpoints
+from dream_trainer.checkpoint import CheckpointError, CheckpointInfo, list_checkpoints
+from dream_trainer.weights_io import export_model
 from dream_trainer.configs import (
     CheckpointParameters,
     DeviceParameters,

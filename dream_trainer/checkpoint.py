@@ -10,8 +10,8 @@ is written last, by the coordinator), rank 0 writes ``dream_trainer.json`` and r
 directory to its final name. The rename is the commit: a checkpoint is either complete
 or invisible.
 
-`export_model` turns one model of a checkpoint into a plain ``state_dict`` file
-(safetensors) for inference, loadable without dream_trainer.
+`dream_trainer.weights_io` reads a checkpoint's model weights alone (``--init-from``,
+`export_model`: a plain safetensors file loadable without dream_trainer).
 
 Everything read back is loaded with a restricted deserializer (`dream_trainer.serialization`):
 a checkpoint is data and never runs code.
@@ -24,7 +24,6 @@ import logging
 import os
 import re
 import shutil
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -311,11 +310,13 @@ def _what_strict_false_loses(key: str, flat: dict[str, Any], saved: dict[str, An
             "(dream_trainer.checkpoint.export_model)")
 
 
-def match_template(path: Path, template: dict[str, Any], strict: bool) -> dict[str, Any]:
+def match_template(path: Path, template: dict[str, Any], strict: bool, elsewhere: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Check `template` (the run's ``state_dict()``) against the checkpoint's metadata and
     drop what cannot be loaded: other ranks' entries, new callbacks, and, with
     ``strict=False``, every missing or mismatched key (warned). With ``strict=True`` a
-    mismatch raises `CheckpointError` naming the path and the first mismatched key."""
+    mismatch raises `CheckpointError` naming the path and the first mismatched key.
+    `elsewhere`: keys other ranks load (pipeline stages each hold some layers), which are
+    not unexpected here."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     saved = _read_metadata(path).state_dict_metadata
@@ -339,7 +340,7 @@ def match_template(path: Path, template: dict[str, Any], strict: bool) -> dict[s
             )
         _drop(template, mapping[key])
     model_keys = tuple(f"{part}." for part in ("models", "optimizers") if part in template)
-    unexpected = [k for k in saved if k.startswith(model_keys) and k not in flat]
+    unexpected = [k for k in saved if k.startswith(model_keys) and k not in flat and k not in elsewhere]
     if unexpected and strict:
         raise CheckpointError(
             f"checkpoint {path} does not match this run: first mismatched key: {unexpected[0]!r} is in the "
@@ -356,54 +357,29 @@ def load_checkpoint(path: str | os.PathLike[str], template: dict[str, Any], stri
     `match_template`; returns the template."""
     path = Path(path)
     _check_format(path)
-    template = match_template(path, template, strict)
+    template = match_template(path, template, strict, _keys_of_all_ranks(template, process_group))
     _dcp_load(template, path, process_group=process_group)
     return template
 
 
-def load_weights(path: str | os.PathLike[str], models: dict[str, torch.nn.Module], strict: bool = True) -> None:
-    """Load the weights of `models` (by the trainer's model names) from the checkpoint at
-    `path`, and nothing else: no optimizer, counter, RNG or data position (fine-tuning,
-    ``--init-from``). Any sharding on either side; every rank of the world calls it.
-
-    A peft model (LoRA, ...) loads from a checkpoint of the model it wraps (none of its own
-    names in it): each base weight from its name there (`dream_trainer.adapters.base_keys`),
-    the adapters keeping their init; `strict` then holds for the base weights."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-
-    from dream_trainer.adapters import base_keys
-
-    path = Path(path)
-    _check_format(path)
-    saved = _read_metadata(path).state_dict_metadata
-    template: dict[str, Any] = {"models": {}}
-    names: dict[str, dict[str, str]] = {}
-    partial = set()  # models whose adapters are not loaded
-    for name, model in models.items():
-        state = get_model_state_dict(model)
-        names[name], adapters = ({k: k for k in state}, set()) if any(f"models.{name}.{k}" in saved for k in state) \
-            else base_keys(model, state)
-        if adapters:
-            partial.add(name)
-            logger.info("%s: %d adapter weight(s) keep their init; the wrapped model's from %s", name, len(adapters), path)
-        template["models"][name] = {names[name][k]: v for k, v in state.items() if k not in adapters}
-    template = match_template(path, template, strict)
-    _dcp_load(template, path)
-    for name, model in models.items():
-        own = {saved_as: key for key, saved_as in names[name].items()}
-        loaded = {own[k]: v for k, v in template["models"].get(name, {}).items()}
-        set_model_state_dict(model, loaded, options=StateDictOptions(strict=strict and name not in partial))
+def grouped_optimizer_state(path: Path) -> bool:
+    """Whether the checkpoint at `path` holds optimizer state in DCP's grouped form
+    (``optimizers.<name>.param_groups.0.params``: dream_trainer before pipeline stages)."""
+    return any(re.match(r"optimizers\.[^.]+\.param_groups\.\d+\.params$", key)
+               for key in _read_metadata(path).state_dict_metadata)
 
 
-def _trained_names(saved: dict[str, Any]) -> set[str]:
-    """The parameter names some optimizer of the checkpoint keeps state for
-    (``optimizers.<optimizer>.state.<parameter name>.<statistic>``)."""
-    names = set()
-    for key in saved:
-        parts = key.split(".state.", 1)
-        if key.startswith("optimizers.") and len(parts) == 2 and "." in parts[1]:
-            names.add(parts[1].rsplit(".", 1)[0])
-    return names
+def _keys_of_all_ranks(template: dict[str, Any], process_group: Any) -> frozenset[str]:
+    """The model and optimizer keys every rank loads (a collective when distributed)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    if not dist.is_initialized() or dist.get_world_size(process_group) == 1:
+        return frozenset()
+    mine = [k for k in flatten_state_dict(template)[0] if k.startswith(("models.", "optimizers."))]
+    gathered: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(gathered, mine, group=process_group)
+    return frozenset(k for keys in gathered for k in keys)
 
 
 def _check_format(path: Path) -> None:
@@ -439,59 +415,3 @@ def _dcp_load(template: dict[str, Any], path: Path, **kwargs: Any) -> None:
         if cause is not None:
             raise CheckpointError(f"cannot load checkpoint {path}: {cause}") from None
         raise CheckpointError(f"cannot load checkpoint {path}: {describe(exc)}") from exc
-
-
-def export_model(
-    checkpoint: str | os.PathLike[str],
-    output: str | os.PathLike[str],
-    model: str = "model",
-    dtype: torch.dtype | None = None,
-    trainable_only: bool = False,
-) -> Path:
-    """Write model `model` of a checkpoint (written by any number of ranks, sharded or not)
-    as one plain ``state_dict`` file in the safetensors format (`output` must end in
-    ``.safetensors``): a format that holds only tensors, so loading it can never run code
-    (a ``torch.save`` pickle could). Runs in one process, without a process group; needs
-    the ``safetensors`` package.
-
-    Load it with ``safetensors.torch.load_file`` and ``model.load_state_dict`` —
-    dream_trainer is not needed. `trainable_only`: only the parameters some optimizer of
-    the checkpoint holds state for, i.e. those that were trained (a LoRA adapter's weights,
-    under their names in the model): ``model.load_state_dict(..., strict=False)`` over the
-    base model.
-    """
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    path, output = Path(checkpoint), Path(output)
-    if output.suffix != ".safetensors":
-        raise ValueError(f"export_model(output={str(output)!r}): the exported model is written as safetensors only "
-                         "(a pickle can run code when loaded): give a path ending in '.safetensors'")
-    try:
-        from safetensors.torch import save_file
-    except ImportError as exc:
-        raise ImportError("export_model writes .safetensors and needs the safetensors package: pip install "
-                          "safetensors") from exc
-    saved = _read_metadata(path).state_dict_metadata
-    prefix = f"models.{model}."
-    template = {
-        key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        for key, md in saved.items()
-        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
-    }
-    if trainable_only:
-        trained = _trained_names(saved)
-        template = {key: t for key, t in template.items() if key[len(prefix):] in trained}
-        if not template:
-            raise CheckpointError(f"checkpoint {path}: no parameter of model {model!r} has optimizer state, so none "
-                                  "is known to be trainable (trainable_only=True needs a checkpoint of a trained run)")
-    if not template:
-        models = sorted({k.split(".")[1] for k in saved if k.startswith("models.")})
-        raise CheckpointError(f"checkpoint {path} has no model named {model!r}; it has: {models or 'none'}")
-    with warnings.catch_warnings():  # "loading in a single process": intended here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        _dcp_load(template, path, no_dist=True)
-    state = {key[len(prefix):]: (t.to(dtype) if dtype is not None and t.is_floating_point() else t) for key, t in template.items()}
-    output.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(output))
-    return output
-

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Literal, Union
 
 import torch
 
+from dream_trainer.pipeline.plan import PipelineParameters
+
 if TYPE_CHECKING:
     from dream_trainer.protocol.base import Callback
     from dream_trainer.protocol.collection import CallbackCollection
@@ -191,6 +193,8 @@ class DeviceParameters:
     `dp_shard` may also be ``"node"``: the ranks of one node that context and tensor
     parallelism leave (HSDP's default: shard within a node, replicate across nodes).
     Use the constructors `SINGLE_DEVICE`, `DDP`, `FSDP`, `HSDP` for the common layouts.
+    `pipeline_parallel` (an int) is the number of pipeline ranks, the mesh's outermost
+    dimension (the trainer declares a `PipelineLayout`); `pipeline` how they run.
 
     `weight_init`: how sharded models (FSDP2, HSDP, TP: DTensor parameters) are
     initialized. ``"full"`` (default): every rank runs ``init_weights()`` on full-size
@@ -209,6 +213,8 @@ class DeviceParameters:
     dp_shard: Size = 1
     context_parallel: Size = 1
     tensor_parallel: Size = 1
+    pipeline_parallel: int = 1
+    pipeline: PipelineParameters = field(default_factory=PipelineParameters)
     compile_model: bool = False
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
@@ -230,6 +236,9 @@ class DeviceParameters:
         if self.weight_init not in ("full", "sharded"):
             raise ValueError(f"{owner}.weight_init={self.weight_init!r} is invalid: expected 'full' or 'sharded'")
         autos = []
+        _positive_int(owner, "pipeline_parallel", self.pipeline_parallel)
+        if not isinstance(self.pipeline, PipelineParameters):
+            raise TypeError(f"{owner}.pipeline must be a PipelineParameters, got {type(self.pipeline).__name__}")
         for name in ("dp_replicate", "dp_shard", "context_parallel", "tensor_parallel"):
             value = getattr(self, name)
             if value == "auto":

@@ -7,7 +7,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from dream_trainer.checkpoint import list_checkpoints, load_weights
+from dream_trainer.checkpoint import list_checkpoints
+from dream_trainer.weights_io import load_weights
 from dream_trainer.errors import CheckpointError
 from dream_trainer.protocol.base import Callback
 from dream_trainer.trainer.base import BaseTrainer

@@ -225,7 +225,7 @@ def trainer_bytes(trainer: Any) -> dict[str, Any]:
 
 
 def _export(command: Command, make_trainer: Callable[[Any], Any]) -> Path:
-    from dream_trainer.checkpoint import export_model
+    from dream_trainer.weights_io import export_model
 
     checkpoint, opts = Path(command.target or ""), command.options
     dtype = getattr(torch, opts["dtype"]) if opts["dtype"] else None

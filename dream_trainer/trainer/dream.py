@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dream_trainer.trainer.base import BaseTrainer, _must_override
+from dream_trainer.trainer.pipelined import PipelineMixin
 from dream_trainer.trainer.records import BuildRecord, CompiledModule
 from dream_trainer.trainer.weights import full_size_parameters, shared_parameters, tie
 from dream_trainer.utils import seed_everything
@@ -39,7 +40,7 @@ from dream_trainer.utils import seed_everything
 logger = logging.getLogger(__name__)
 
 
-class DreamTrainer(BaseTrainer):
+class DreamTrainer(PipelineMixin, BaseTrainer):
     """A trainer that builds models on the meta device and parallelizes them from config.
 
     Attributes:
@@ -168,6 +169,8 @@ class DreamTrainer(BaseTrainer):
             raise ValueError(f"{type(self).__name__}.configure_models() set no nn.Module attribute")
         with torch.device("meta"):  # what a callback builds here is on meta too
             self.callbacks.post_configure_models(models)
+        if plan.pp > 1:
+            self._plan_pipeline()  # this rank's stages of the model
 
         if plan.tp > 1:
             self.apply_tensor_parallel(world.get_mesh("tp"))
@@ -177,12 +180,14 @@ class DreamTrainer(BaseTrainer):
             self.apply_compile()
             self._record_compiled()
         if plan.dp_shard > 1:
-            self.apply_fully_shard(world.fsdp_config)
+            self._for_each_stage(lambda: self.apply_fully_shard(world.fsdp_config))
             self.build.record_sharded(self.named_models())
         elif plan.dp_replicate > 1:
-            self.apply_replicate(world.get_mesh("dp_replicate"))
+            self._for_each_stage(lambda: self.apply_replicate(world.get_mesh("dp_replicate")))
 
         self.materialize()  # init_weights(), then callbacks.post_init_weights(models)
+        if plan.pp > 1:
+            self._start_pipeline()
 
         self.configure_optimizers()
         if not self.named_optimizers():
@@ -243,7 +248,7 @@ class DreamTrainer(BaseTrainer):
             seed_everything(self.seed)
         with torch.no_grad():
             if self.world.device_parameters.weight_init == "full":
-                with full_size_parameters(models.values(), self.world.device):
+                with self._whole_model() as whole, full_size_parameters([*models.values(), *whole], self.world.device):
                     self.init_weights()
                     self.callbacks.post_init_weights(models)
             else:  # "sharded": DTensor's random ops on each shard (CUDA; checked in configure)

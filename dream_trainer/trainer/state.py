@@ -41,6 +41,13 @@ class StateMixin(AbstractTrainer):
     data_position: DataPosition
     _mid_epoch: bool
 
+    flat_optimizer_state: bool = True
+    """Optimizer state keyed per parameter name, param-group settings included
+    (``param_groups.<name>.lr``): what pipeline stages, each holding some parameters, can
+    save side by side and resume on another layout. False: DCP's grouped form
+    (``param_groups.0.params``), which checkpoints of dream_trainer before pipeline
+    parallelism hold; `CheckpointCallback` switches to it to load one."""
+
     @property
     def rank_key(self) -> str:
         """This rank's key under ``state_dict()["ranks"]``."""
@@ -88,12 +95,13 @@ class StateMixin(AbstractTrainer):
     def _optimizer_states(self) -> dict[str, Any]:
         """Each optimizer's state in DCP's form (keyed by parameter name, reshardable); an
         optimizer no model owns in its own form."""
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+        options = StateDictOptions(flatten_optimizer_state_dict=self.flat_optimizer_state)
         states = {}
         for name, opt in self.named_optimizers().items():
             model = self.model_for(opt)
-            states[name] = opt.state_dict() if model is None else get_optimizer_state_dict(model, opt)
+            states[name] = opt.state_dict() if model is None else get_optimizer_state_dict(model, opt, options=options)
         return states
 
     def _rank_state(self, callbacks: dict[str, Any]) -> dict[str, Any]:
@@ -144,7 +152,7 @@ class StateMixin(AbstractTrainer):
             set_optimizer_state_dict,
         )
 
-        options = StateDictOptions(strict=strict)
+        options = StateDictOptions(strict=strict, flatten_optimizer_state_dict=self.flat_optimizer_state)
         reshard(self.named_models().values())
         for name, model in self.named_models().items():
             set_model_state_dict(model, state["models"][name], options=options)

@@ -71,17 +71,25 @@ class StepMixin(AbstractTrainer):
         """``loss.backward()``, scaled by 1/`gradient_accumulation_steps` when accumulating.
         With a callback that ``recovers_errors``, the ranks first agree that no rank's
         ``training_step`` failed before its backward (see `on_train_step_error`)."""
+        self._before_backward()
+        self._after_loss(loss)
+        accumulation = self.gradient_accumulation_steps
+        if accumulation > 1:
+            loss = loss / accumulation
+        loss.backward(**kwargs)
+
+    def _before_backward(self) -> None:
+        """With a callback that ``recovers_errors``: the ranks agree that none failed
+        before its backward."""
         path = self.step_path
         if self.callbacks.recovers_errors and not path.agreed:
             path.agreed = True
             if self._any_rank(False):  # another rank's step failed: this one's work is dropped
                 raise _PeerStepFailed()
-        if path.backward_loss_wanted:  # a monitor decides on this step's loss before its update
-            path.stats.add_backward(loss)
-        accumulation = self.gradient_accumulation_steps
-        if accumulation > 1:
-            loss = loss / accumulation
-        loss.backward(**kwargs)
+
+    def _after_loss(self, loss: torch.Tensor) -> None:
+        if self.step_path.backward_loss_wanted:  # a monitor decides on this step's loss before its update
+            self.step_path.stats.add_backward(loss)
 
     def step(self, optimizer: Optimizer, model: nn.Module | None = None) -> torch.Tensor | None:
         """Clip, step and zero `optimizer`, then step its schedulers; a no-op while

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from dream_trainer.configs import DeviceParameters
 
-MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "tp")
+MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Mesh dimension names, outermost first."""
 
-_FIELDS = {"dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "cp": "context_parallel", "tp": "tensor_parallel"}
+_FIELDS = {"pp": "pipeline_parallel", "dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "cp": "context_parallel", "tp": "tensor_parallel"}
 
 
 class MeshPlanError(ValueError):
@@ -23,16 +23,18 @@ class MeshPlanError(ValueError):
 
 @dataclass(frozen=True)
 class MeshPlan:
-    """Resolved mesh sizes. ``dp = dp_replicate * dp_shard`` is the data-parallel degree."""
+    """Resolved mesh sizes. ``dp = dp_replicate * dp_shard`` is the data-parallel degree;
+    ``pp`` (pipeline stages' ranks) is the outermost dimension."""
 
     dp_replicate: int
     dp_shard: int
     cp: int
     tp: int
+    pp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
@@ -130,11 +132,11 @@ def _message(requested: dict[str, object], world_size: int, why: str, local_worl
 def _suggest(requested: dict[str, object], world_size: int, local_world_size: int | None) -> str:
     """Keep the model-parallel sizes that divide the world (tensor parallelism within a
     node), give data parallelism the rest."""
-    keep = {dim: size for dim, size in requested.items() if dim in ("cp", "tp") and isinstance(size, int)}
+    keep = {dim: size for dim, size in requested.items() if dim in ("pp", "cp", "tp") and isinstance(size, int)}
     if local_world_size is not None and local_world_size % keep.get("tp", 1):
         keep["tp"] = max(d for d in range(1, local_world_size + 1) if local_world_size % d == 0 and world_size % d == 0)
     model_parallel = 1
-    for dim in ("tp", "cp"):
+    for dim in ("tp", "cp", "pp"):
         size = keep.get(dim, 1)
         if world_size % (model_parallel * size):
             keep[dim] = 1
@@ -145,4 +147,6 @@ def _suggest(requested: dict[str, object], world_size: int, local_world_size: in
     dp_field = "dp_shard" if shard_wanted else "dp_replicate"
     other = "dp_replicate" if shard_wanted else "dp_shard"
     parts = {dp_field: dp, other: 1, "context_parallel": keep.get("cp", 1), "tensor_parallel": keep.get("tp", 1)}
+    if keep.get("pp", 1) > 1:
+        parts["pipeline_parallel"] = keep["pp"]
     return "DeviceParameters(" + ", ".join(f"{k}={v}" for k, v in parts.items()) + ")"

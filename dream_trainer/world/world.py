@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
@@ -262,8 +263,8 @@ class DistributedWorld:
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel ranks: its coordinate on the launched
         mesh's data-parallel dimension (before launch: from the plan, the mesh being laid
-        out ``dp_replicate x dp_shard x cp x tp``, row-major)."""
-        return self._dp[0] if self._dp is not None else self.rank // (self.plan.cp * self.plan.tp)
+        out ``pp x dp_replicate x dp_shard x cp x tp``, row-major)."""
+        return self._dp[0] if self._dp is not None else self.rank // (self.plan.cp * self.plan.tp) % self.plan.dp
 
     @property
     def fsdp_config(self) -> dict[str, Any]:
@@ -356,7 +357,7 @@ class DistributedWorld:
         # gradients do not require grad, so nothing is recorded; those of a create_graph
         # backward do, and the result is detached.
         if not groups:
-            return torch.zeros((), device=self.device)
+            return self._over_stages(torch.zeros((), device=self.device), norm_type)
         norms = []
         for grads in groups:
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, norm_type)), norm_type)
@@ -365,7 +366,20 @@ class DistributedWorld:
             norms.append(norm.float())
         total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(
             torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
-        return total.detach() if total.requires_grad else total
+        return self._over_stages(total.detach() if total.requires_grad else total, norm_type)
+
+    def _over_stages(self, norm: torch.Tensor, norm_type: float) -> torch.Tensor:
+        """Pipeline parallel: each rank holds some stages' gradients; the norm of all of
+        them (a collective over the ``pp`` dimension, no host sync)."""
+        if self.plan.pp == 1 or self.mesh is None:
+            return norm
+        group = self.mesh["pp"].get_group()
+        if math.isinf(norm_type):
+            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+            return norm
+        powered = norm.float() ** norm_type
+        dist.all_reduce(powered, group=group)
+        return powered ** (1.0 / norm_type)
 
     def total_gradient_norm(self, parameters: Iterable[torch.nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
         """The global gradient norm as one device tensor (no host sync).

@@ -117,14 +117,20 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        _, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        """Token ids to logits; cut into pipeline stages (dream_trainer's
+        ``PipelineLayout``), a stage without the embeddings takes the previous stage's
+        hidden states, and one without the head returns its own."""
+        if self.tok_emb is None:
+            x = idx
+        else:
+            _, T = idx.shape
+            if T > self.config.block_size:
+                raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+            pos = torch.arange(T, device=idx.device)
+            x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return x if self.lm_head is None else self.lm_head(self.ln_f(x))
 
     @torch.no_grad()
     def init_weights(self) -> None:

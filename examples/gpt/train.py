@@ -57,6 +57,7 @@ from dream_trainer import (  # noqa: E402
 )
 from dream_trainer.config_files import FIXED_ON_RESUME  # noqa: E402
 from dream_trainer.data import TokenDataset, TokenLoader  # noqa: E402
+from dream_trainer.pipeline import PipelineLayout  # noqa: E402
 
 
 @dataclass(kw_only=True)
@@ -135,6 +136,8 @@ class GPTTrainer(DreamTrainer):
     """Byte-level GPT: model on meta, AdamW, warmup + cosine, token files shared by the world."""
 
     config: GPTRunConfig
+    # --parallel pp: the stages' cut (the blocks; the embeddings first, the head last)
+    pipeline_layout = PipelineLayout(layers="blocks", first=("tok_emb", "pos_emb"), last=("ln_f", "lm_head"))
 
     def __init__(self, config: GPTRunConfig):
         super().__init__(config)
@@ -211,14 +214,13 @@ class GPTTrainer(DreamTrainer):
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         x, y = batch
-        loss = lm_loss(self.model(x), y)
-        self.backward(loss)
+        loss = self.forward_backward(self.model, x, y, lm_loss)  # through the stages when pipelined
         self.step(self.optimizer)
         return {"loss": loss}
 
     def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         x, y = batch
-        return {"loss": lm_loss(self.model(x), y)}
+        return {"loss": self.forward_loss(self.model, x, y, lm_loss)}
 
 
 class _Slow:
@@ -263,6 +265,8 @@ PRESETS = {"parallel": {
     "hsdp": _layout(dp_replicate="auto", dp_shard=2),  # shard in pairs, replicate pairs
     "tp": _layout(dp_replicate="auto", dp_shard=1, tensor_parallel=2),  # x DDP on 4+ ranks
     "fsdp_tp": _layout(dp_replicate=1, dp_shard="auto", tensor_parallel=2),  # 4+ ranks
+    "pp": _layout(dp_replicate="auto", dp_shard=1, pipeline_parallel=2),  # 2 stages x DDP
+    "pp_fsdp": _layout(dp_replicate=1, dp_shard="auto", pipeline_parallel=2),  # 2 stages x FSDP2, 4+ ranks
 }}
 
 # Short flags for the fields set most often (each is the dotted flag's other name).

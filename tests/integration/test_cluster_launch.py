@@ -225,7 +225,7 @@ def _final_weights(run: Path) -> dict[str, torch.Tensor]:
     """The model of the run's step-30 checkpoint, read in this process (no process group)."""
     from safetensors.torch import load_file
 
-    from dream_trainer.checkpoint import export_model
+    from dream_trainer import export_model
 
     return load_file(str(export_model(run / "checkpoints" / "step_000000030", run / "final.safetensors")))
 

@@ -102,26 +102,29 @@ def test_trainer_config_errors():
 @pytest.mark.parametrize(
     "params, world, local, dims, dp, kind",
     [
-        (DeviceParameters.SINGLE_DEVICE(), 1, None, (1, 1, 1, 1), 1, "none"),
-        (DeviceParameters.DDP(), 1, None, (1, 1, 1, 1), 1, "none"),
-        (DeviceParameters.DDP(), 4, None, (4, 1, 1, 1), 4, "ddp"),
-        (DeviceParameters.FSDP(), 1, None, (1, 1, 1, 1), 1, "none"),
-        (DeviceParameters.FSDP(), 2, None, (1, 2, 1, 1), 2, "fsdp"),
-        (DeviceParameters.FSDP(dp_shard=2), 2, 2, (1, 2, 1, 1), 2, "fsdp"),
-        (DeviceParameters.HSDP(dp_shard=2), 4, None, (2, 2, 1, 1), 4, "hsdp"),
-        (DeviceParameters.HSDP(dp_shard=2), 8, 4, (4, 2, 1, 1), 8, "hsdp"),
-        (DeviceParameters(dp_replicate=1, dp_shard="auto", tensor_parallel=2), 8, 8, (1, 4, 1, 2), 4, "fsdp"),
-        (DeviceParameters(dp_replicate=1, dp_shard="auto", context_parallel=2), 4, None, (1, 2, 2, 1), 2, "fsdp"),
-        (DeviceParameters(dp_replicate="auto", context_parallel=2, tensor_parallel=2), 8, 4, (2, 1, 2, 2), 2, "ddp"),
-        (DeviceParameters(dp_replicate="auto", tensor_parallel=2), 2, 2, (1, 1, 1, 2), 1, "none"),
-        (DeviceParameters(dp_replicate=2, dp_shard=2, context_parallel=2, tensor_parallel=2), 16, 8, (2, 2, 2, 2), 4, "hsdp"),
+        (DeviceParameters.SINGLE_DEVICE(), 1, None, (1, 1, 1, 1, 1), 1, "none"),
+        (DeviceParameters.DDP(), 1, None, (1, 1, 1, 1, 1), 1, "none"),
+        (DeviceParameters.DDP(), 4, None, (1, 4, 1, 1, 1), 4, "ddp"),
+        (DeviceParameters.FSDP(), 1, None, (1, 1, 1, 1, 1), 1, "none"),
+        (DeviceParameters.FSDP(), 2, None, (1, 1, 2, 1, 1), 2, "fsdp"),
+        (DeviceParameters.FSDP(dp_shard=2), 2, 2, (1, 1, 2, 1, 1), 2, "fsdp"),
+        (DeviceParameters.HSDP(dp_shard=2), 4, None, (1, 2, 2, 1, 1), 4, "hsdp"),
+        (DeviceParameters.HSDP(dp_shard=2), 8, 4, (1, 4, 2, 1, 1), 8, "hsdp"),
+        (DeviceParameters(dp_replicate=1, dp_shard="auto", tensor_parallel=2), 8, 8, (1, 1, 4, 1, 2), 4, "fsdp"),
+        (DeviceParameters(dp_replicate=1, dp_shard="auto", context_parallel=2), 4, None, (1, 1, 2, 2, 1), 2, "fsdp"),
+        (DeviceParameters(dp_replicate="auto", context_parallel=2, tensor_parallel=2), 8, 4, (1, 2, 1, 2, 2), 2, "ddp"),
+        (DeviceParameters(dp_replicate="auto", tensor_parallel=2), 2, 2, (1, 1, 1, 1, 2), 1, "none"),
+        (DeviceParameters(dp_replicate=2, dp_shard=2, context_parallel=2, tensor_parallel=2), 16, 8, (1, 2, 2, 2, 2), 4, "hsdp"),
+        (DeviceParameters(dp_replicate="auto", pipeline_parallel=2), 2, None, (2, 1, 1, 1, 1), 1, "none"),
+        (DeviceParameters(dp_replicate="auto", pipeline_parallel=2), 4, None, (2, 2, 1, 1, 1), 2, "ddp"),
+        (DeviceParameters(dp_replicate=1, dp_shard="auto", pipeline_parallel=2), 8, None, (2, 1, 4, 1, 1), 4, "fsdp"),
     ],
 )
 def test_plan_table(params, world, local, dims, dp, kind):
     plan = plan_mesh(params, world, local_world_size=local)
     assert plan.shape == dims and plan.world_size == world
     assert plan.dp == dp and plan.data_parallel == kind
-    assert plan.dim_names == ("dp_replicate", "dp_shard", "cp", "tp")
+    assert plan.dim_names == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @pytest.mark.parametrize(
@@ -138,6 +141,8 @@ def test_plan_table(params, world, local, dims, dp, kind):
         (DeviceParameters(dp_replicate="auto", tensor_parallel=4), 8, 2, r"larger than a node \(2 ranks\).*tensor_parallel=2\)"),
         (DeviceParameters(dp_replicate="auto", tensor_parallel=3), 6, 4, r"tensor_parallel=3 does not divide a node \(4 ranks\).*tensor_parallel=2\)"),
         (DeviceParameters.FSDP(), 0, None, r"world_size=0 is invalid"),
+        (DeviceParameters(dp_replicate="auto", pipeline_parallel=3), 4, None,
+         r"pipeline_parallel=3.*does not divide it.*dp_replicate=4, dp_shard=1, context_parallel=1, tensor_parallel=1\)"),
     ],
 )
 def test_bad_plans_name_sizes_and_a_fix(params, world, local, match):

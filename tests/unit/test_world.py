@@ -11,7 +11,7 @@ def test_one_rank_world_launches_and_tears_down():
     world.launch()
     try:
         assert dist.is_initialized() and world.world_size == 1 and world.dp_rank == 0 and world.dp_size == 1
-        assert world.mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "cp", "tp")
+        assert world.mesh.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
         t = torch.tensor([2.0])
         assert world.all_reduce(t, "mean") is t and t.item() == 2.0
         assert world.global_agreement((1, "a")) and world.broadcast_object({"x": 1}) == {"x": 1}

@@ -1,0 +1,17 @@
+"""Pipeline parallelism (`torch.distributed.pipelining`) on the mesh's ``pp`` dimension:
+the plan (schedules, expected bubbles, the automatic choice, the layer split) and the
+stages (the cut of a declared model, and the schedule that runs them)."""
+
+from dream_trainer.pipeline.plan import (
+    SCHEDULES,
+    PipelineChoice,
+    PipelineParameters,
+    choose_schedule,
+    expected_bubble,
+    split_layers,
+    stage_ids,
+)
+from dream_trainer.pipeline.stages import Pipeline, PipelineLayout, StageLayers, cut
+
+__all__ = ["SCHEDULES", "Pipeline", "PipelineChoice", "PipelineLayout", "PipelineParameters", "StageLayers",
+           "choose_schedule", "cut", "expected_bubble", "split_layers", "stage_ids"]

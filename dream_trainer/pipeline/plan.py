@@ -1,0 +1,200 @@
+"""Pipeline planning, with no process group: the schedules, their expected bubbles, the
+automatic choice, which stages a rank holds and how the layers are cut into stages. Every
+plan (and every bad one) is testable in one process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+SINGLE = ("GPipe", "1F1B")
+"""Schedules with one stage per rank."""
+MULTI = ("Interleaved1F1B", "InterleavedZeroBubble")
+"""Schedules with several stages per rank. torch's ``ZBVZeroBubble`` is not offered: in
+torch 2.13 its forward-only step (validation) runs backward actions and fails."""
+SCHEDULES = (*SINGLE, *MULTI)
+
+Split = Union[str, tuple[int, ...]]
+
+
+@dataclass(kw_only=True)
+class PipelineParameters:
+    """How a pipeline-parallel model (``DeviceParameters.pipeline_parallel > 1``) runs.
+
+    Attributes:
+        schedule: ``"auto"`` (the smallest expected bubble for the stages and micro-batches,
+            said in the log), or one of ``GPipe``, ``1F1B``, ``Interleaved1F1B``,
+            ``InterleavedZeroBubble`` (``torch.distributed.pipelining``).
+        microbatches: pipeline micro-batches each batch of a rank is cut into (it must
+            divide the batch). None: 2 x pipeline_parallel.
+        stages_per_rank: model stages each rank holds: 1 for GPipe and 1F1B, at least 2 for
+            the interleaved schedules. None: what the schedule needs (1, or 2); with
+            ``"auto"``, both are candidates.
+        split: how the declared layers are cut into stages: ``"layers"`` (equal counts, the
+            first stages taking one more when they do not divide), ``"parameters"`` (balanced
+            parameter counts), or the number of layers of each stage, in order (a tuple
+            summing to the layer count).
+    """
+
+    schedule: str = "auto"
+    microbatches: int | None = None
+    stages_per_rank: int | None = None
+    split: Split = "layers"
+
+    def __post_init__(self) -> None:
+        owner = "PipelineParameters"
+        if self.schedule not in ("auto", *SCHEDULES):
+            raise ValueError(f"{owner}.schedule={self.schedule!r} is invalid: expected 'auto' or one of {SCHEDULES}")
+        for name in ("microbatches", "stages_per_rank"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{owner}.{name}={value!r} is invalid: expected an int >= 1 or None")
+        if isinstance(self.split, list):
+            self.split = tuple(self.split)
+        if isinstance(self.split, tuple):
+            if not self.split or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.split):
+                raise ValueError(f"{owner}.split={self.split!r} is invalid: expected layer counts >= 1")
+        elif self.split not in ("layers", "parameters"):
+            raise ValueError(f"{owner}.split={self.split!r} is invalid: expected 'layers', 'parameters' or a tuple "
+                             "of layer counts per stage")
+
+
+@dataclass(frozen=True)
+class PipelineChoice:
+    """The schedule a run uses: its name, stages per rank, micro-batches and expected
+    bubble (the idle fraction of a rank's step time, from `expected_bubble`)."""
+
+    schedule: str
+    stages_per_rank: int
+    microbatches: int
+    bubble: float
+    candidates: tuple[tuple[str, int, float], ...] = ()
+
+    def describe(self, pp: int) -> str:
+        others = ", ".join(f"{name} x{v}: {b:.1%}" for name, v, b in self.candidates
+                           if (name, v) != (self.schedule, self.stages_per_rank))
+        return (f"pipeline schedule {self.schedule} ({pp} ranks x {self.stages_per_rank} stage(s), "
+                f"{self.microbatches} micro-batches): expected bubble {self.bubble:.1%}"
+                + (f"; other candidates: {others}" if others else ""))
+
+
+def expected_bubble(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> float:
+    """The idle fraction of a rank's step, with a stage's forward, backward-for-inputs and
+    backward-for-weights taking one unit each (a full backward two) and free communication:
+    GPipe and 1F1B idle ``3(p-1)`` units of ``3m`` (Huang et al. 2019; Narayanan et al.
+    2021); interleaving v stages per rank divides that by v; the zero-bubble schedules fill
+    it with weight gradients: ZB-H1 idles ``(p-1)`` units (F + I - W) (Qi et al. 2023),
+    interleaved over v stages."""
+    p, v, m = pp, stages_per_rank, microbatches
+    if p == 1:
+        return 0.0
+    work = 3.0 * v * m  # units of one stage's F + I + W, per rank
+    if schedule in ("GPipe", "1F1B", "Interleaved1F1B"):
+        idle = 3.0 * (p - 1)
+    elif schedule == "InterleavedZeroBubble":
+        idle = 1.0 * (p - 1)
+    else:
+        raise ValueError(f"schedule={schedule!r}: expected one of {SCHEDULES}")
+    return idle / (work + idle)
+
+
+def check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: int, n_layers: int) -> str | None:
+    """Why `schedule` cannot run with these sizes (None: it can)."""
+    v, m, stages = stages_per_rank, microbatches, pp * stages_per_rank
+    if schedule in SINGLE and v != 1:
+        return f"{schedule} holds 1 stage per rank, not {v}"
+    if schedule in MULTI and v < 2:
+        return f"{schedule} needs at least 2 stages per rank"
+    if stages > n_layers:
+        return f"{stages} stages ({pp} ranks x {v}) but only {n_layers} layers"
+    if schedule == "1F1B" and m < stages:
+        return f"1F1B needs at least as many micro-batches as stages ({stages}), got {m}"
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and m % max(1, m // pp):
+        return f"{schedule} needs micro-batches in whole rounds of {pp} (a multiple of {pp}, or fewer), got {m}"
+    return None
+
+
+def choose_schedule(params: PipelineParameters, pp: int, batch: int, n_layers: int) -> PipelineChoice:
+    """The schedule for `params` on `pp` ranks, for batches of `batch` samples per rank and
+    `n_layers` layers: the one asked for (checked), or with ``"auto"`` the candidate with the
+    smallest expected bubble (ties: fewer stages per rank, then the order of `SCHEDULES`).
+
+    Raises:
+        ValueError: the micro-batches do not divide the batch, or no schedule fits; the
+            message names the sizes that would.
+    """
+    m = params.microbatches if params.microbatches is not None else 2 * pp
+    if batch % m:
+        counts = [d for d in range(1, batch + 1) if batch % d == 0]
+        raise ValueError(f"PipelineParameters.microbatches={m} does not divide the {batch} samples of each rank's batch; "
+                         f"counts that do: {counts}")
+    names = SCHEDULES if params.schedule == "auto" else (params.schedule,)
+    candidates, refusals = [], []
+    for name in names:
+        for v in ([params.stages_per_rank] if params.stages_per_rank else [1] if name in SINGLE else [2]):
+            why = check_schedule(name, pp, v, m, n_layers)
+            if why is None:
+                candidates.append((name, v, expected_bubble(name, pp, v, m)))
+            else:
+                refusals.append(why)
+    if not candidates:
+        fits = [d for d in range(pp, batch + 1) if batch % d == 0]
+        raise ValueError(f"no pipeline schedule fits {pp} ranks, {m} micro-batches and {n_layers} layers: "
+                         f"{'; '.join(refusals)}. Micro-batch counts that divide the batch of {batch}: {fits}")
+    best = min(candidates, key=lambda c: (round(c[2], 9), c[1], SCHEDULES.index(c[0])))
+    return PipelineChoice(best[0], best[1], m, best[2], tuple(candidates))
+
+
+def stage_ids(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """The stages `pp_rank` holds: ``pp_rank + k * pp`` (looped)."""
+    return [pp_rank + k * pp for k in range(stages_per_rank)]
+
+
+def split_layers(n_layers: int, n_stages: int, split: Split, layer_sizes: list[int] | None = None) -> list[range]:
+    """The layers of each stage. ``"layers"``: equal counts (the first stages take one more
+    when they do not divide); ``"parameters"``: contiguous runs balancing `layer_sizes` (the
+    parameter count of each layer); a tuple: those counts.
+
+    Raises:
+        ValueError: a tuple of the wrong length or sum, or more stages than layers; the
+            message suggests the equal split.
+    """
+    if n_stages > n_layers:
+        raise ValueError(f"{n_stages} pipeline stages but only {n_layers} layers: use at most {n_layers} stages")
+    even = [n_layers // n_stages + (1 if s < n_layers % n_stages else 0) for s in range(n_stages)]
+    if isinstance(split, tuple):
+        if len(split) != n_stages or sum(split) != n_layers:
+            raise ValueError(f"PipelineParameters.split={split!r} is invalid: {n_stages} stages of {n_layers} layers "
+                             f"need {n_stages} counts summing to {n_layers}, e.g. {tuple(even)}")
+        counts = list(split)
+    elif split == "parameters":
+        counts = _balanced(layer_sizes or [1] * n_layers, n_stages)
+    else:
+        counts = even
+    starts = [sum(counts[:s]) for s in range(n_stages)]
+    return [range(start, start + count) for start, count in zip(starts, counts)]
+
+
+def _balanced(sizes: list[int], parts: int) -> list[int]:
+    """Counts of `parts` contiguous, non-empty runs of `sizes` whose largest sum is smallest
+    (dynamic programming over the cut points)."""
+    n = len(sizes)
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n - (parts - k) + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    counts, i = [], n
+    for k in range(parts, 0, -1):
+        j = cut[k][i]
+        counts.append(i - j)
+        i = j
+    return counts[::-1]
