@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-SINGLE = ("GPipe", "1F1B")
+SINGLE = ("1F1B", "GPipe")  # on a tie, 1F1B: fewer micro-batches in flight
 """Schedules with one stage per rank."""
 MULTI = ("Interleaved1F1B", "InterleavedZeroBubble")
 """Schedules with several stages per rank. torch's ``ZBVZeroBubble`` is not offered: in
@@ -23,7 +23,7 @@ class PipelineParameters:
 
     Attributes:
         schedule: ``"auto"`` (the smallest expected bubble for the stages and micro-batches,
-            said in the log), or one of ``GPipe``, ``1F1B``, ``Interleaved1F1B``,
+            said in the log), or one of ``1F1B``, ``GPipe``, ``Interleaved1F1B``,
             ``InterleavedZeroBubble`` (``torch.distributed.pipelining``).
         microbatches: pipeline micro-batches each batch of a rank is cut into (it must
             divide the batch). None: 2 x pipeline_parallel.

@@ -1,0 +1,101 @@
+"""Pipeline parallelism on 2 gloo ranks, through the GPT demo's own ``main``: each schedule
+tracks the single-process loss curve from the same seed; a checkpoint taken on a validation
+step resumes bit-exactly on the same layout, and across a change of ``pipeline_parallel``
+(2 stages -> 1 process, 1 process -> 2 stages)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dream_trainer.testing import spawn_world
+from tests.demos import SMALL, Record, load
+
+STEPS, EVERY = 6, 3
+# 4 blocks: 2 stages of 2, or 4 stages (2 per rank) for the interleaved schedules; 4 micro-batches of 2.
+ARGS = [*SMALL, "--n-layer", "4", "--steps", str(STEPS), "--val-every", str(EVERY), "--checkpoint-every", str(EVERY),
+        "--val-batches", "2", "--batch-size", "8", "--async-checkpoint", "off"]
+TOLERANCE = 1e-4  # relative: one batch at once vs. micro-batches through the stages (summation order)
+
+
+def _train(root: str, run: str, layout: str, schedule: str = "auto", resume: str = "None") -> dict:
+    if layout == "pp" and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    record = Record()
+    trainer = load("gpt").main([*ARGS, "--parallel", layout, "--root-dir", root, "--run-name", run, "--resume", resume,
+                                "--device_parameters.pipeline.schedule", schedule], callbacks=[record])
+    assert trainer.status == "completed"
+    result = record.result()
+    result["schedule"] = trainer.pipeline.choice.schedule if trainer.pipeline else None
+    result["val"] = trainer.callbacks["ValidationHistory"].history if "ValidationHistory" in trainer.callbacks else None
+    return result
+
+
+def _full_and_resumed(root: str, schedule: str) -> dict:
+    full = _train(root, "full", "pp", schedule)
+    checkpoint = Path(root) / "gpt" / "full" / "checkpoints" / f"step_{EVERY:09d}"
+    return {"full": full, "resumed": _train(root, "resumed", "pp", schedule, str(checkpoint))}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pp-single")
+    return str(root), _train(str(root), "single", "single")
+
+
+def _curve(run: dict, steps) -> torch.Tensor:
+    return torch.tensor([run["losses"][s] for s in steps])
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B", "auto"])
+def test_two_stages_track_one_process_and_resume_exactly(schedule, single, tmp_path):
+    _, reference = single
+    ranks = spawn_world(2, _full_and_resumed, str(tmp_path), schedule, timeout=600)
+    full, resumed = ranks[0]["full"], ranks[0]["resumed"]
+    assert full["schedule"] == ("InterleavedZeroBubble" if schedule == "auto" else schedule)
+    for rank in ranks[1:]:  # the loss reached every stage
+        assert rank["full"]["losses"] == full["losses"]
+    # The single-process start: each stage's weights, bitwise, under their names in one process.
+    held = [name for rank in ranks for name in rank["full"]["initial"]]
+    assert sorted(held) == sorted(reference["initial"])
+    for rank in ranks:
+        for name, value in rank["full"]["initial"].items():
+            assert torch.equal(value, reference["initial"][name]), name
+    steps = range(1, STEPS + 1)
+    torch.testing.assert_close(_curve(full, steps), _curve(reference, steps), rtol=TOLERANCE, atol=0.0)
+    # Validation through the pipeline: the same losses as one process.
+    torch.testing.assert_close(torch.tensor([v for _, v in full["val"]]), torch.tensor([v for _, v in reference["val"]]),
+                               rtol=TOLERANCE, atol=0.0)
+    # The checkpoint taken on a validation step resumes bit-exactly on the same layout.
+    assert sorted(resumed["losses"]) == list(range(EVERY + 1, STEPS + 1))
+    for step, loss in resumed["losses"].items():
+        assert loss == full["losses"][step], step
+    for rank in ranks:
+        for name, value in rank["full"]["final"].items():
+            assert torch.equal(rank["resumed"]["final"][name], value), name
+
+
+def _resume_pp(root: str, checkpoint: str) -> dict:
+    return _train(root, "onto-pp", "pp", "auto", checkpoint)
+
+
+def test_resume_across_a_change_of_pipeline_stages(single, tmp_path):
+    """A 1-process checkpoint resumes on 2 stages, and a 2-stage one in 1 process: both
+    continue the single-process curve."""
+    root, reference = single
+    steps = range(EVERY + 1, STEPS + 1)
+    one = str(Path(root) / "gpt" / "single" / "checkpoints" / f"step_{EVERY:09d}")
+    stages = spawn_world(2, _resume_pp, str(tmp_path), one, timeout=600)
+    onto_pp = stages[0]
+    assert sorted(onto_pp["losses"]) == list(steps)
+    torch.testing.assert_close(_curve(onto_pp, steps), _curve(reference, steps), rtol=TOLERANCE, atol=0.0)
+    staged = str(tmp_path / "gpt" / "onto-pp" / "checkpoints" / f"step_{STEPS:09d}")
+    back = _train(str(tmp_path), "back", "single", resume=staged)
+    assert back["losses"] == {}  # the run was complete: nothing left to train ...
+    staged_final = {name: value for rank in stages for name, value in rank["final"].items()}
+    assert sorted(back["final"]) == sorted(staged_final) == sorted(reference["final"])
+    for name, value in back["final"].items():  # ... and every stage's weights came back, exactly
+        assert torch.equal(value, staged_final[name]), name
