@@ -77,6 +77,7 @@ class PipelineMixin:
         if not isinstance(whole, nn.Module):
             raise AttributeError(f"pipeline_layout.model={layout.model!r}: the trainer has no such model")
         layers = layer_list(whole, layout)
+        _check_untied(whole, layout)
         params = world.device_parameters.pipeline
         batch = self._pipeline_batch()
         choice = choose_schedule(params, pp, batch, len(layers))
@@ -147,3 +148,13 @@ class PipelineMixin:
         world = self.world  # type: ignore[attr-defined]
         self.pipeline = Pipeline(self._pipeline_stages, mine, n_stages, choice, world.device,
                                  world.get_mesh("pp").get_group())
+
+
+def _check_untied(model: nn.Module, layout: PipelineLayout) -> None:
+    """The first stage's modules and the last's cannot share a weight (a tied embedding
+    and head): they are on different ranks."""
+    first = {id(p) for path in layout.first for p in model.get_submodule(path).parameters()}
+    tied = [path for path in layout.last if any(id(p) in first for p in model.get_submodule(path).parameters())]
+    if tied:
+        raise ValueError(f"pipeline_layout: {tied} share weights with {list(layout.first)} (tied embeddings), which "
+                         "would be on different pipeline stages: untie them, or use pipeline_parallel=1")
