@@ -98,9 +98,13 @@ def expected_bubble(schedule: str, pp: int, stages_per_rank: int, microbatches: 
     return idle / (work + idle)
 
 
-def check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: int, n_layers: int) -> str | None:
+def check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: int, n_layers: int,
+                   data_parallel: int = 1) -> str | None:
     """Why `schedule` cannot run with these sizes (None: it can)."""
     v, m, stages = stages_per_rank, microbatches, pp * stages_per_rank
+    if schedule == "InterleavedZeroBubble" and data_parallel > 1:
+        return ("InterleavedZeroBubble with data parallelism inside the stages trains other weights than one process "
+                "(torch 2.13: the gradients are reduced before the last weight-gradient pass)")
     if schedule in SINGLE and v != 1:
         return f"{schedule} holds 1 stage per rank, not {v}"
     if schedule in MULTI and v < 2:
@@ -114,9 +118,10 @@ def check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: i
     return None
 
 
-def choose_schedule(params: PipelineParameters, pp: int, batch: int, n_layers: int) -> PipelineChoice:
+def choose_schedule(params: PipelineParameters, pp: int, batch: int, n_layers: int, data_parallel: int = 1) -> PipelineChoice:
     """The schedule for `params` on `pp` ranks, for batches of `batch` samples per rank and
-    `n_layers` layers: the one asked for (checked), or with ``"auto"`` the candidate with the
+    `n_layers` layers, with `data_parallel` ranks per stage: the one asked for (checked), or
+    with ``"auto"`` the candidate with the
     smallest expected bubble (ties: fewer stages per rank, then the order of `SCHEDULES`).
 
     Raises:
@@ -132,7 +137,7 @@ def choose_schedule(params: PipelineParameters, pp: int, batch: int, n_layers: i
     candidates, refusals = [], []
     for name in names:
         for v in ([params.stages_per_rank] if params.stages_per_rank else [1] if name in SINGLE else [2]):
-            why = check_schedule(name, pp, v, m, n_layers)
+            why = check_schedule(name, pp, v, m, n_layers, data_parallel)
             if why is None:
                 candidates.append((name, v, expected_bubble(name, pp, v, m)))
             else:

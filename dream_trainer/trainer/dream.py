@@ -215,6 +215,12 @@ class DreamTrainer(PipelineMixin, BaseTrainer):
             self._require("apply_compile", "DeviceParameters.compile_model=True")
         if plan.dp_shard > 1:
             self._require("apply_fully_shard", f"DeviceParameters.dp_shard={plan.dp_shard}")
+        if plan.pp > 1 and plan.dp_replicate > 1:
+            raise ValueError(
+                f"DeviceParameters.pipeline_parallel={plan.pp} with dp_replicate={plan.dp_replicate} (DDP/HSDP): not "
+                "supported yet (the stages' replicated gradients differ from one process's); give the stages data "
+                f"parallelism with FSDP2: DeviceParameters(pipeline_parallel={plan.pp}, dp_replicate=1, "
+                f"dp_shard={plan.dp})")
         if params.weight_init == "sharded" and world.device.type == "cpu" and (plan.dp_shard > 1 or plan.tp > 1):
             raise ValueError(
                 "DeviceParameters.weight_init='sharded' needs DTensor's RNG tracker, which CPU meshes do not have: "

@@ -265,8 +265,7 @@ PRESETS = {"parallel": {
     "hsdp": _layout(dp_replicate="auto", dp_shard=2),  # shard in pairs, replicate pairs
     "tp": _layout(dp_replicate="auto", dp_shard=1, tensor_parallel=2),  # x DDP on 4+ ranks
     "fsdp_tp": _layout(dp_replicate=1, dp_shard="auto", tensor_parallel=2),  # 4+ ranks
-    "pp": _layout(dp_replicate="auto", dp_shard=1, pipeline_parallel=2),  # 2 stages x DDP
-    "pp_fsdp": _layout(dp_replicate=1, dp_shard="auto", pipeline_parallel=2),  # 2 stages x FSDP2, 4+ ranks
+    "pp": _layout(dp_replicate=1, dp_shard="auto", pipeline_parallel=2),  # 2 stages (x FSDP2 on 4+ ranks)
 }}
 
 # Short flags for the fields set most often (each is the dotted flag's other name).

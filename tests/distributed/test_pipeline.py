@@ -99,3 +99,35 @@ def test_resume_across_a_change_of_pipeline_stages(single, tmp_path):
     assert sorted(back["final"]) == sorted(staged_final) == sorted(reference["final"])
     for name, value in back["final"].items():  # ... and every stage's weights came back, exactly
         assert torch.equal(value, staged_final[name]), name
+
+
+def _four_ranks(root: str) -> dict:
+    dist.init_process_group("gloo")
+    refused = None
+    try:
+        load("gpt").main([*ARGS, "--batch-size", "16", "--parallel", "pp", "--device_parameters.dp_replicate", "2",
+                          "--device_parameters.dp_shard", "1", "--root-dir", root, "--run-name", "ddp"])
+    except ValueError as exc:
+        refused = str(exc)
+    record = Record()
+    trainer = load("gpt").main([*ARGS, "--batch-size", "16", "--parallel", "pp", "--root-dir", root, "--run-name", "pp-fsdp",
+                                "--resume", "None", "--checkpoint-every", "None"], callbacks=[record])
+    return {"refused": refused, "schedule": trainer.pipeline.choice.schedule, "plan": trainer.world.plan.shape,
+            **record.result()}
+
+
+def test_two_stages_with_fsdp2_inside_on_four_ranks(tmp_path):
+    """PP x FSDP2 on 4 ranks (2 stages, each sharded over 2) tracks one process; stages
+    with DDP inside are refused before anything is built, naming the plan that works."""
+    ranks = spawn_world(4, _four_ranks, str(tmp_path), timeout=600)
+    first = ranks[0]
+    assert "dp_replicate=2 (DDP/HSDP): not supported yet" in first["refused"]
+    assert "DeviceParameters(pipeline_parallel=2, dp_replicate=1, dp_shard=2)" in first["refused"]
+    assert first["plan"] == (2, 1, 2, 1, 1) and first["schedule"] == "Interleaved1F1B"  # zero-bubble left out
+    single = load("gpt").main([*ARGS, "--batch-size", "16", "--parallel", "single", "--root-dir", str(tmp_path),
+                               "--run-name", "single16", "--resume", "None", "--checkpoint-every", "None"],
+                              callbacks=[record := Record()])
+    assert single.status == "completed"
+    steps = range(1, STEPS + 1)
+    torch.testing.assert_close(_curve(first, steps), _curve(record.result(), steps), rtol=TOLERANCE, atol=0.0)
+    assert all(rank["losses"] == first["losses"] for rank in ranks)

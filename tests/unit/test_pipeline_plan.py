@@ -113,3 +113,9 @@ def test_tied_first_and_last_modules_are_refused():
     with pytest.raises(ValueError, match=r"\['head'\] share weights with \['emb'\] \(tied embeddings\)"):
         _check_untied(net, PipelineLayout(layers="blocks", first=("emb",), last=("head",)))
     _check_untied(_Net(), PipelineLayout(layers="blocks", first=("emb",), last=("head",)))  # untied: fine
+
+
+def test_zero_bubble_is_left_out_with_data_parallel_stages():
+    assert choose_schedule(PipelineParameters(), pp=2, batch=8, n_layers=4, data_parallel=2).schedule == "Interleaved1F1B"
+    with pytest.raises(ValueError, match=r"InterleavedZeroBubble with data parallelism inside the stages"):
+        choose_schedule(PipelineParameters(schedule="InterleavedZeroBubble"), pp=2, batch=8, n_layers=4, data_parallel=2)
