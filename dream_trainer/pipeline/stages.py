@@ -7,7 +7,6 @@ stage is a shallow copy of it that shares its modules (a view: no weight is copi
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,8 +15,6 @@ import torch
 from torch import nn
 
 from dream_trainer.pipeline.plan import PipelineChoice
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
