@@ -58,7 +58,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         self.config = config
         self.data_position = DataPosition()  # agreed epoch lengths, where a resume continues the data
         self.world = DistributedWorld(config.device_parameters)  # a bad mesh plan fails here
-        _check_plan(self.world)
+        self._check_plan(self.world)
         cbs = config.callbacks
         self.callbacks = cbs if isinstance(cbs, CallbackCollection) else CallbackCollection(cbs)
         self.is_accumulating_gradients = False
@@ -93,8 +93,17 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
             raise TypeError(f"set_world() takes a DistributedWorld, got {type(world).__name__}")
         if self.world.launched:
             raise RuntimeError("set_world() must be called before the world is launched (in pre_launch)")
-        _check_plan(world)
+        self._check_plan(world)
         self.world = world
+
+    applies_context_parallel: bool = False
+    """Whether this trainer shards sequences over ``cp`` (`DreamTrainer`'s step API does)."""
+
+    def _check_plan(self, world: DistributedWorld) -> None:
+        if world.plan.cp > 1 and not self.applies_context_parallel:
+            raise ValueError(
+                f"DeviceParameters.context_parallel={world.plan.cp}: {type(self).__name__} does not apply context "
+                "parallelism (DreamTrainer does, in forward_backward/forward_loss); use context_parallel=1")
 
     # ================================================================== control
     def request_stop(self, reason: str = "stop requested") -> None:
@@ -459,11 +468,3 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         self.run_dir = Path(run_dir) / (self.world.run_subdirectory or "")
         if self.world.is_rank_zero:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-
-
-def _check_plan(world: DistributedWorld) -> None:
-    if world.plan.cp > 1:
-        raise ValueError(
-            f"DeviceParameters.context_parallel={world.plan.cp}: context parallelism is not applied by "
-            "dream_trainer yet; use context_parallel=1"
-        )

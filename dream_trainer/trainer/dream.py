@@ -7,7 +7,7 @@
     apply_tensor_parallel(tp)     if tensor_parallel > 1
     apply_activation_checkpointing()   if checkpoint_activations
     apply_compile()               if compile_model
-    apply_fully_shard(cfg)        if dp_shard > 1      (FSDP2 / HSDP)
+    apply_fully_shard(cfg)        if dp_shard > 1 or context_parallel > 1   (FSDP2 / HSDP)
       or apply_replicate(dp)      if dp_replicate > 1  (DDP)
     materialize on the world's device, seed, init_weights()
     callbacks.post_init_weights(models)       initialize what a callback added
@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from dream_trainer.context_parallel import ContextParallel
 from dream_trainer.trainer.base import BaseTrainer, _must_override
 from dream_trainer.trainer.pipelined import PipelineMixin
 from dream_trainer.trainer.records import BuildRecord, CompiledModule
@@ -49,6 +50,7 @@ class DreamTrainer(PipelineMixin, BaseTrainer):
     """
 
     required_methods = ("configure_models", "configure_optimizers", "configure_dataloaders", "training_step")
+    applies_context_parallel = True
 
     def __init__(self, config: Any):
         super().__init__(config)
@@ -179,7 +181,7 @@ class DreamTrainer(PipelineMixin, BaseTrainer):
         if params.compile_model:
             self.apply_compile()
             self._record_compiled()
-        if plan.dp_shard > 1:
+        if plan.dp_shard > 1 or plan.cp > 1:  # context-parallel ranks shard the parameters too
             self._for_each_stage(lambda: self.apply_fully_shard(world.fsdp_config))
             self.build.record_sharded(self.named_models())
         elif plan.dp_replicate > 1:
@@ -188,6 +190,8 @@ class DreamTrainer(PipelineMixin, BaseTrainer):
         self.materialize()  # init_weights(), then callbacks.post_init_weights(models)
         if plan.pp > 1:
             self._start_pipeline()
+        if plan.cp > 1:
+            self.context_parallel = ContextParallel(world.get_mesh("cp"), self.context_parallel_seq_dim)
 
         self.configure_optimizers()
         if not self.named_optimizers():
@@ -213,8 +217,14 @@ class DreamTrainer(PipelineMixin, BaseTrainer):
             self._require("apply_activation_checkpointing", "DeviceParameters.checkpoint_activations=True")
         if params.compile_model:
             self._require("apply_compile", "DeviceParameters.compile_model=True")
-        if plan.dp_shard > 1:
-            self._require("apply_fully_shard", f"DeviceParameters.dp_shard={plan.dp_shard}")
+        if plan.dp_shard > 1 or plan.cp > 1:
+            self._require("apply_fully_shard", f"DeviceParameters.dp_shard={plan.dp_shard}" if plan.dp_shard > 1 else
+                          f"DeviceParameters.context_parallel={plan.cp} (FSDP2 over the context-parallel ranks)")
+        if plan.cp > 1 and (plan.pp > 1 or plan.tp > 1):
+            raise ValueError(
+                f"DeviceParameters.context_parallel={plan.cp} with pipeline_parallel={plan.pp}, tensor_parallel="
+                f"{plan.tp}: context parallelism composes with FSDP2/HSDP only for now; use pipeline_parallel=1 "
+                "and tensor_parallel=1")
         if plan.pp > 1 and plan.dp_replicate > 1:
             raise ValueError(
                 f"DeviceParameters.pipeline_parallel={plan.pp} with dp_replicate={plan.dp_replicate} (DDP/HSDP): not "

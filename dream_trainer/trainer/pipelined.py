@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from dream_trainer.context_parallel import ContextParallel
 from dream_trainer.pipeline import Pipeline, PipelineLayout, choose_schedule, cut, split_layers, stage_ids
 from dream_trainer.pipeline.stages import layer_list
 
@@ -35,6 +36,14 @@ class PipelineMixin:
     pipeline: Pipeline | None = None
     """This rank's stages and schedule, when the run is pipeline parallel."""
 
+    context_parallel: ContextParallel | None = None
+    """The sequence sharding and ring attention of a ``context_parallel > 1`` run
+    (`forward_backward` and `forward_loss` apply it)."""
+
+    context_parallel_seq_dim: ClassVar[int] = 1
+    """The sequence dimension of a step's inputs and targets (``(batch, sequence)`` token
+    ids: 1), what context parallelism shards."""
+
     _pipeline_whole: nn.Module | None = None
     _pipeline_stages: list[nn.Module] = []
 
@@ -45,9 +54,10 @@ class PipelineMixin:
         schedule (forward and backward interleaved), and its mean loss reaches every rank.
         Use it in ``training_step``: the same code runs with and without a pipeline."""
         if self.pipeline is None:
-            loss = loss_fn(model(*inputs) if isinstance(inputs, tuple) else model(inputs), target)
-            self.backward(loss)  # type: ignore[attr-defined]
-            return loss.detach()
+            with self._sequence_shards(inputs, target) as (inputs, target):
+                loss = loss_fn(model(*inputs) if isinstance(inputs, tuple) else model(inputs), target)
+                self.backward(loss)  # type: ignore[attr-defined]
+            return self._context_mean(loss.detach())
         accumulation = self.gradient_accumulation_steps  # type: ignore[attr-defined]
         scaled = loss_fn if accumulation == 1 else (lambda out, tgt: loss_fn(out, tgt) / accumulation)
         self._before_backward()  # type: ignore[attr-defined]
@@ -60,8 +70,30 @@ class PipelineMixin:
         """``loss_fn(model(inputs), target)`` with no backward (validation); pipeline
         parallel, the batch's mean loss through every stage, on every rank."""
         if self.pipeline is None:
-            return loss_fn(model(*inputs) if isinstance(inputs, tuple) else model(inputs), target)
+            with self._sequence_shards(inputs, target) as (inputs, target):
+                loss = loss_fn(model(*inputs) if isinstance(inputs, tuple) else model(inputs), target)
+            return self._context_mean(loss)
         return self.pipeline.eval_step(inputs, target, loss_fn)
+
+    @contextlib.contextmanager
+    def _sequence_shards(self, inputs: Any, target: Any) -> Iterator[tuple[Any, Any]]:
+        """Context parallel: this rank's part of the sequences of `inputs` and `target`,
+        and attention as ring attention while the step runs (forward and backward)."""
+        context = self.context_parallel
+        if context is None:
+            yield inputs, target
+            return
+        inputs, target = context.shard((inputs, target)) if isinstance(inputs, torch.Tensor) else (
+            context.shard(inputs), context.shard(target))
+        with context.region(self.world.device):  # type: ignore[attr-defined]
+            yield inputs, target
+
+    def _context_mean(self, loss: torch.Tensor) -> torch.Tensor:
+        """Context parallel: each rank's loss is its tokens' mean (equal shares); the
+        sequences' mean on every rank of the group (a collective, no host sync)."""
+        if self.context_parallel is None:
+            return loss
+        return self.world.all_reduce(loss.clone(), "mean", group=self.context_parallel.group)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ building
     def _plan_pipeline(self) -> None:

@@ -138,6 +138,8 @@ class DistributedWorld:
             self._groups = [dist.group.WORLD, *self.mesh.get_all_groups()]
             if self.plan.dp_replicate * self.plan.dp_shard > 1 and min(self.plan.dp_replicate, self.plan.dp_shard) > 1:
                 self._groups.append(self.mesh[("dp_replicate", "dp_shard")]._flatten("dp").get_group())
+            if self.plan.cp > 1:  # FSDP2 shards the parameters over the context-parallel ranks too
+                self._groups.append(self.mesh[("dp_shard", "cp")]._flatten("dp_shard_cp").get_group())
             dp_mesh = self.get_mesh("dp")
             self._dp = (dp_mesh.get_local_rank(), dp_mesh.size())
             self._set_timeout(timeout)
@@ -268,12 +270,18 @@ class DistributedWorld:
 
     @property
     def fsdp_config(self) -> dict[str, Any]:
-        """Keyword arguments for ``fully_shard``: ``mesh``, ``mp_policy``, ``offload_policy``."""
+        """Keyword arguments for ``fully_shard``: ``mesh``, ``mp_policy``, ``offload_policy``.
+        The mesh is ``dp_shard`` (HSDP: ``dp_replicate x dp_shard``); with context
+        parallelism, ``dp_shard x cp`` flattened (``"dp_shard_cp"``): each context-parallel
+        rank's gradients are of its part of the sequences, reduced over it."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
         params = self.device_parameters
-        if self.plan.dp_replicate > 1 and self.plan.dp_shard > 1:
-            mesh = self.get_mesh("dp_replicate", "dp_shard")
+        shard = "dp_shard_cp" if self.plan.cp > 1 else "dp_shard"  # context-parallel ranks shard too
+        if self.plan.dp_replicate > 1 and (self.plan.dp_shard > 1 or self.plan.cp > 1):
+            mesh = self.get_mesh("dp_replicate", shard)
+        elif self.plan.cp > 1:
+            mesh = self.get_mesh(shard)
         else:
             mesh = self.get_mesh("dp")
         return {

@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dream_trainer.context_parallel import sequence_positions
+
 
 @dataclass
 class GPTConfig:
@@ -124,9 +126,9 @@ class GPT(nn.Module):
             x = idx
         else:
             _, T = idx.shape
-            if T > self.config.block_size:
+            if T > self.config.block_size:  # (context parallel: T is this rank's share)
                 raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-            pos = torch.arange(T, device=idx.device)
+            pos = sequence_positions(T, idx.device)  # arange(T); context parallel: this rank's part
             x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)

@@ -266,6 +266,7 @@ PRESETS = {"parallel": {
     "tp": _layout(dp_replicate="auto", dp_shard=1, tensor_parallel=2),  # x DDP on 4+ ranks
     "fsdp_tp": _layout(dp_replicate=1, dp_shard="auto", tensor_parallel=2),  # 4+ ranks
     "pp": _layout(dp_replicate=1, dp_shard="auto", pipeline_parallel=2),  # 2 stages (x FSDP2 on 4+ ranks)
+    "cp": _layout(dp_replicate=1, dp_shard="auto", context_parallel=2),  # sequences in 2 (x FSDP2 on 4+ ranks)
 }}
 
 # Short flags for the fields set most often (each is the dotted flag's other name).

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dream_trainer.context_parallel import sequence_positions
+
 
 @dataclass
 class LlamaConfig:
@@ -152,7 +154,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(x, torch.arange(input_ids.shape[1], device=input_ids.device))
+        cos, sin = self.rotary_emb(x, sequence_positions(input_ids.shape[1], input_ids.device))  # context parallel: this rank's
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.norm(x)
