@@ -99,12 +99,12 @@ def expected_bubble(schedule: str, pp: int, stages_per_rank: int, microbatches: 
 
 
 def check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: int, n_layers: int,
-                   data_parallel: int = 1) -> str | None:
+                   sharded_stages: bool = False) -> str | None:
     """Why `schedule` cannot run with these sizes (None: it can)."""
     v, m, stages = stages_per_rank, microbatches, pp * stages_per_rank
-    if schedule == "InterleavedZeroBubble" and data_parallel > 1:
-        return ("InterleavedZeroBubble with data parallelism inside the stages trains other weights than one process "
-                "(torch 2.13: the gradients are reduced before the last weight-gradient pass)")
+    if schedule == "InterleavedZeroBubble" and sharded_stages:
+        return ("InterleavedZeroBubble with FSDP2 inside the stages (dp_shard > 1) trains other weights than one "
+                "process (torch 2.13); with replicated stages (dp_replicate, dp_shard=1) it matches")
     if schedule in SINGLE and v != 1:
         return f"{schedule} holds 1 stage per rank, not {v}"
     if schedule in MULTI and v < 2:
@@ -118,9 +118,10 @@ def check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: i
     return None
 
 
-def choose_schedule(params: PipelineParameters, pp: int, batch: int, n_layers: int, data_parallel: int = 1) -> PipelineChoice:
+def choose_schedule(params: PipelineParameters, pp: int, batch: int, n_layers: int,
+                    sharded_stages: bool = False) -> PipelineChoice:
     """The schedule for `params` on `pp` ranks, for batches of `batch` samples per rank and
-    `n_layers` layers, with `data_parallel` ranks per stage: the one asked for (checked), or
+    `n_layers` layers, FSDP2 inside the stages or not: the one asked for (checked), or
     with ``"auto"`` the candidate with the
     smallest expected bubble (ties: fewer stages per rank, then the order of `SCHEDULES`).
 
@@ -137,7 +138,7 @@ def choose_schedule(params: PipelineParameters, pp: int, batch: int, n_layers: i
     candidates, refusals = [], []
     for name in names:
         for v in ([params.stages_per_rank] if params.stages_per_rank else [1] if name in SINGLE else [2]):
-            why = check_schedule(name, pp, v, m, n_layers, data_parallel)
+            why = check_schedule(name, pp, v, m, n_layers, sharded_stages)
             if why is None:
                 candidates.append((name, v, expected_bubble(name, pp, v, m)))
             else:

@@ -158,6 +158,7 @@ class Pipeline:
     def _run(self, eval: bool, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         import torch.distributed as dist
 
+        check_batch(target, self.choice.microbatches, "validation" if eval else "training")
         if self._schedule is None:
             self._schedule = self._build()
         self._loss_fn = loss_fn
@@ -180,3 +181,14 @@ class Pipeline:
     def eval_step(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         """Forward only; the batch's mean loss, on every rank."""
         return self._run(True, inputs, target, loss_fn)
+
+
+def check_batch(target: Any, microbatches: int, kind: str = "training") -> None:
+    """Refuse a batch the schedule's micro-batches cannot split evenly (every rank of the
+    pipeline sees the same batch, so every rank refuses it), before any stage runs."""
+    size = target.shape[0] if isinstance(target, torch.Tensor) else len(target)
+    if size % microbatches:
+        raise ValueError(
+            f"a {kind} batch of {size} samples cannot be cut into {microbatches} equal pipeline micro-batches: give "
+            f"the {kind} loader batches of a multiple of {microbatches} samples (drop a smaller last batch: "
+            f"drop_last=True), or set PipelineParameters.microbatches to a divisor of every batch size")

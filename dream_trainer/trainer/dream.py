@@ -138,11 +138,15 @@ class DreamTrainer(PipelineMixin, BaseTrainer):
         """Data parallelism by replication, on each model root: gradients all-reduced in
         buckets during backward. Plain parameters use DDP's reducer (composable
         ``replicate``: the module keeps its class and names); a model whose parameters are
-        DTensors (tensor parallel) uses FSDP2-style ``replicate`` over `dp_mesh`."""
+        DTensors (tensor parallel), or a pipeline stage, uses FSDP2-style ``replicate`` over
+        `dp_mesh` (the pipeline schedule defers its gradient reduction to a batch's last
+        micro-batch; DDP's reducer would reduce each micro-batch's as its forwards
+        interleave, and train other weights)."""
         from torch.distributed.tensor import DTensor
 
+        pipelined = self.world.plan.pp > 1
         for model in self.named_models().values():
-            if any(isinstance(p, DTensor) for p in model.parameters()):
+            if pipelined or any(isinstance(p, DTensor) for p in model.parameters()):
                 from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_dtensors
 
                 replicate_dtensors(model, mesh=dp_mesh)
@@ -225,12 +229,6 @@ class DreamTrainer(PipelineMixin, BaseTrainer):
                 f"DeviceParameters.context_parallel={plan.cp} with pipeline_parallel={plan.pp}, tensor_parallel="
                 f"{plan.tp}: context parallelism composes with FSDP2/HSDP only for now; use pipeline_parallel=1 "
                 "and tensor_parallel=1")
-        if plan.pp > 1 and plan.dp_replicate > 1:
-            raise ValueError(
-                f"DeviceParameters.pipeline_parallel={plan.pp} with dp_replicate={plan.dp_replicate} (DDP/HSDP): not "
-                "supported yet (the stages' replicated gradients differ from one process's); give the stages data "
-                f"parallelism with FSDP2: DeviceParameters(pipeline_parallel={plan.pp}, dp_replicate=1, "
-                f"dp_shard={plan.dp})")
         if params.weight_init == "sharded" and world.device.type == "cpu" and (plan.dp_shard > 1 or plan.tp > 1):
             raise ValueError(
                 "DeviceParameters.weight_init='sharded' needs DTensor's RNG tracker, which CPU meshes do not have: "

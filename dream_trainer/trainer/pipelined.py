@@ -112,7 +112,7 @@ class PipelineMixin:
         _check_untied(whole, layout)
         params = world.device_parameters.pipeline
         batch = self._pipeline_batch()
-        choice = choose_schedule(params, pp, batch, len(layers), world.plan.dp)
+        choice = choose_schedule(params, pp, batch, len(layers), world.plan.dp_shard > 1)
         logger.info(choice.describe(pp))
         n_stages = pp * choice.stages_per_rank
         sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]

@@ -101,33 +101,49 @@ def test_resume_across_a_change_of_pipeline_stages(single, tmp_path):
         assert torch.equal(value, staged_final[name]), name
 
 
-def _four_ranks(root: str) -> dict:
+def _layouts(root: str, layouts: dict[str, tuple[str, ...]]) -> dict:
     dist.init_process_group("gloo")
-    refused = None
-    try:
-        load("gpt").main([*ARGS, "--batch-size", "16", "--parallel", "pp", "--device_parameters.dp_replicate", "2",
-                          "--device_parameters.dp_shard", "1", "--root-dir", root, "--run-name", "ddp"])
-    except ValueError as exc:
-        refused = str(exc)
-    record = Record()
-    trainer = load("gpt").main([*ARGS, "--batch-size", "16", "--parallel", "pp", "--root-dir", root, "--run-name", "pp-fsdp",
-                                "--resume", "None", "--checkpoint-every", "None"], callbacks=[record])
-    return {"refused": refused, "schedule": trainer.pipeline.choice.schedule, "plan": trainer.world.plan.shape,
-            **record.result()}
+    runs = {}
+    for name, extra in layouts.items():
+        record = Record()
+        trainer = load("gpt").main([*ARGS, "--batch-size", "16", "--parallel", "pp", "--root-dir", root, "--run-name", name,
+                                    "--resume", "None", "--checkpoint-every", "None", *extra], callbacks=[record])
+        runs[name] = {"schedule": trainer.pipeline.choice.schedule, "plan": trainer.world.plan.shape, **record.result()}
+    return runs
 
 
-def test_two_stages_with_fsdp2_inside_on_four_ranks(tmp_path):
-    """PP x FSDP2 on 4 ranks (2 stages, each sharded over 2) tracks one process; stages
-    with DDP inside are refused before anything is built, naming the plan that works."""
-    ranks = spawn_world(4, _four_ranks, str(tmp_path), timeout=600)
+def test_two_stages_with_data_parallelism_inside_on_four_ranks(tmp_path):
+    """PP x FSDP2, PP x DDP and PP x TP on 4 ranks (2 stages, each over 2 ranks) track one
+    process. The automatic choice leaves zero-bubble out with sharded stages (it
+    differs from one process there) and takes it with replicated ones."""
+    ranks = spawn_world(4, _layouts, str(tmp_path), {"pp-fsdp": (), "pp-ddp": (*REPLICATE, "--device_parameters.dp_shard", "1"),
+                                                     "pp-tp": (*TP, "--device_parameters.dp_shard", "1")}, timeout=600)
     first = ranks[0]
-    assert "dp_replicate=2 (DDP/HSDP): not supported yet" in first["refused"]
-    assert "DeviceParameters(pipeline_parallel=2, dp_replicate=1, dp_shard=2)" in first["refused"]
-    assert first["plan"] == (2, 1, 2, 1, 1) and first["schedule"] == "Interleaved1F1B"  # zero-bubble left out
+    assert first["pp-fsdp"]["plan"] == (2, 1, 2, 1, 1) and first["pp-fsdp"]["schedule"] == "Interleaved1F1B"
+    assert first["pp-ddp"]["plan"] == (2, 2, 1, 1, 1) and first["pp-ddp"]["schedule"] == "InterleavedZeroBubble"
+    assert first["pp-tp"]["plan"] == (2, 1, 1, 1, 2)
+    _track_one_process(ranks, tmp_path)
+
+
+REPLICATE, TP = ("--device_parameters.dp_replicate", "2"), ("--device_parameters.tensor_parallel", "2")
+
+
+def _track_one_process(ranks: list[dict], tmp_path: Path) -> None:
     single = load("gpt").main([*ARGS, "--batch-size", "16", "--parallel", "single", "--root-dir", str(tmp_path),
                                "--run-name", "single16", "--resume", "None", "--checkpoint-every", "None"],
                               callbacks=[record := Record()])
     assert single.status == "completed"
     steps = range(1, STEPS + 1)
-    torch.testing.assert_close(_curve(first, steps), _curve(record.result(), steps), rtol=TOLERANCE, atol=0.0)
-    assert all(rank["losses"] == first["losses"] for rank in ranks)
+    for name, run in ranks[0].items():
+        torch.testing.assert_close(_curve(run, steps), _curve(record.result(), steps), rtol=TOLERANCE, atol=0.0,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+        assert all(rank[name]["losses"] == run["losses"] for rank in ranks)
+
+
+def test_two_stages_with_hsdp_and_with_fsdp_x_tp_on_eight_ranks(tmp_path):
+    """PP x HSDP (2 stages x 2 replicas x 2 shards) and PP x FSDP2 x TP (2 x 2 x 2) on 8
+    ranks track one process."""
+    ranks = spawn_world(8, _layouts, str(tmp_path), {"pp-hsdp": (*REPLICATE, "--device_parameters.dp_shard", "2"),
+                                                     "pp-fsdp-tp": (*TP, "--device_parameters.dp_shard", "2")}, timeout=600)
+    assert ranks[0]["pp-hsdp"]["plan"] == (2, 2, 2, 1, 1) and ranks[0]["pp-fsdp-tp"]["plan"] == (2, 1, 2, 1, 2)
+    _track_one_process(ranks, tmp_path)

@@ -334,12 +334,18 @@ def test_missing_user_methods_fail_before_anything_is_built():
     assert not built and not dist.is_initialized()
 
 
-def test_context_parallel_is_rejected_clearly(monkeypatch):
+def test_context_parallel_on_a_trainer_that_does_not_apply_it_is_rejected_clearly(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     params = DeviceParameters(dp_replicate=1, context_parallel=2)
-    with pytest.raises(ValueError, match="context_parallel=2: context parallelism is not applied"):
-        ToyTrainer(TrainerConfig(device_parameters=params))
+    from dream_trainer.trainer.base import BaseTrainer
+
+    class OwnLoop(BaseTrainer):  # no step API: nothing would shard the sequences
+        pass
+
+    with pytest.raises(ValueError, match=r"context_parallel=2: OwnLoop does not apply context parallelism \(DreamTrainer"):
+        OwnLoop(TrainerConfig(device_parameters=params))
+    assert ToyTrainer(TrainerConfig(device_parameters=params)).applies_context_parallel  # DreamTrainer does
 
 
 def test_epoch_loss_is_a_running_mean():

@@ -115,7 +115,17 @@ def test_tied_first_and_last_modules_are_refused():
     _check_untied(_Net(), PipelineLayout(layers="blocks", first=("emb",), last=("head",)))  # untied: fine
 
 
-def test_zero_bubble_is_left_out_with_data_parallel_stages():
-    assert choose_schedule(PipelineParameters(), pp=2, batch=8, n_layers=4, data_parallel=2).schedule == "Interleaved1F1B"
-    with pytest.raises(ValueError, match=r"InterleavedZeroBubble with data parallelism inside the stages"):
-        choose_schedule(PipelineParameters(schedule="InterleavedZeroBubble"), pp=2, batch=8, n_layers=4, data_parallel=2)
+def test_zero_bubble_is_left_out_with_sharded_stages():
+    assert choose_schedule(PipelineParameters(), pp=2, batch=8, n_layers=4, sharded_stages=True).schedule == "Interleaved1F1B"
+    assert choose_schedule(PipelineParameters(), pp=2, batch=8, n_layers=4).schedule == "InterleavedZeroBubble"
+    with pytest.raises(ValueError, match=r"InterleavedZeroBubble with FSDP2 inside the stages \(dp_shard > 1\)"):
+        choose_schedule(PipelineParameters(schedule="InterleavedZeroBubble"), pp=2, batch=8, n_layers=4, sharded_stages=True)
+
+
+def test_a_batch_the_micro_batches_do_not_divide_is_refused_naming_the_fix():
+    from dream_trainer.pipeline.stages import check_batch
+
+    check_batch(torch.zeros(8, 3), 4)  # fine
+    with pytest.raises(ValueError, match=r"a validation batch of 6 samples cannot be cut into 4 equal pipeline "
+                                         r"micro-batches.*multiple of 4 samples.*drop_last=True.*microbatches"):
+        check_batch(torch.zeros(6, 3), 4, "validation")
