@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/fp8.py
 	$(PY) benchmarks/health.py
 	$(PY) benchmarks/ft_recovery.py
+	$(PY) benchmarks/pipeline.py
 
 clean:
 	rm -rf $(VENV) site runs benchmarks/results

@@ -195,6 +195,8 @@ class DeviceParameters:
     Use the constructors `SINGLE_DEVICE`, `DDP`, `FSDP`, `HSDP` for the common layouts.
     `pipeline_parallel` (an int) is the number of pipeline ranks, the mesh's outermost
     dimension (the trainer declares a `PipelineLayout`); `pipeline` how they run.
+    `context_parallel` ranks each hold a part of every sequence, attention running as ring
+    attention over them (`dream_trainer.context_parallel`); FSDP2 shards over them too.
 
     `weight_init`: how sharded models (FSDP2, HSDP, TP: DTensor parameters) are
     initialized. ``"full"`` (default): every rank runs ``init_weights()`` on full-size
