@@ -81,3 +81,8 @@ class Record(Callback):
 
     def result(self) -> dict[str, Any]:
         return {"initial": self.initial, "final": self.final, "losses": self.losses}
+
+
+def curve(run: dict[str, Any], steps: Any) -> torch.Tensor:
+    """`Record` losses at `steps`, as a tensor (to compare loss curves)."""
+    return torch.tensor([run["losses"][s] for s in steps])

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from dream_trainer.context_parallel import ContextParallel, head_tail_indices, sequence_positions
 from dream_trainer.testing import spawn_world
-from tests.demos import SMALL, Record, load
+from tests.demos import SMALL, Record, curve, load
 
 STEPS, EVERY = 6, 3
 ARGS = [*SMALL, "--steps", str(STEPS), "--val-every", str(EVERY), "--checkpoint-every", str(EVERY),
@@ -118,10 +118,6 @@ def single(tmp_path_factory):
     return str(root), _train(str(root), "single", "single")
 
 
-def _curve(run: dict, steps) -> torch.Tensor:
-    return torch.tensor([run["losses"][s] for s in steps])
-
-
 def test_sequences_split_over_two_ranks_track_one_process_and_resume_exactly(single, tmp_path):
     _, reference = single
     ranks = spawn_world(2, _full_and_resumed, str(tmp_path), timeout=600)
@@ -131,7 +127,7 @@ def test_sequences_split_over_two_ranks_track_one_process_and_resume_exactly(sin
     for name, value in full["initial"].items():  # FSDP2 over the 2 ranks, from one process's weights
         assert torch.equal(value, reference["initial"][name]), name
     steps = range(1, STEPS + 1)
-    torch.testing.assert_close(_curve(full, steps), _curve(reference, steps), rtol=TOLERANCE, atol=0.0)
+    torch.testing.assert_close(curve(full, steps), curve(reference, steps), rtol=TOLERANCE, atol=0.0)
     torch.testing.assert_close(torch.tensor([v for _, v in full["val"]]), torch.tensor([v for _, v in reference["val"]]),
                                rtol=TOLERANCE, atol=0.0)
     assert sorted(resumed["losses"]) == list(range(EVERY + 1, STEPS + 1))
@@ -151,7 +147,7 @@ def test_resume_across_a_change_of_context_parallel(single, tmp_path):
     one = str(Path(root) / "gpt" / "single" / "checkpoints" / f"step_{EVERY:09d}")
     onto_cp = spawn_world(2, _onto_cp, str(tmp_path), one, timeout=600)[0]
     assert sorted(onto_cp["losses"]) == list(steps)
-    torch.testing.assert_close(_curve(onto_cp, steps), _curve(reference, steps), rtol=TOLERANCE, atol=0.0)
+    torch.testing.assert_close(curve(onto_cp, steps), curve(reference, steps), rtol=TOLERANCE, atol=0.0)
     split = str(tmp_path / "gpt" / "onto-cp" / "checkpoints" / f"step_{STEPS:09d}")
     back = _train(str(tmp_path), "back", "single", resume=split)
     assert back["losses"] == {}  # complete: nothing left to train, and the weights came back exactly
@@ -181,6 +177,6 @@ def test_context_parallel_with_fsdp2_and_hsdp_on_four_ranks(tmp_path):
     first = ranks[0]
     assert first["fsdp"]["plan"] == (1, 1, 2, 2, 1) and first["hsdp"]["plan"] == (1, 2, 1, 2, 1)
     for layout in ("fsdp", "hsdp"):
-        torch.testing.assert_close(_curve(first[layout], steps), _curve(reference, steps), rtol=TOLERANCE, atol=0.0)
+        torch.testing.assert_close(curve(first[layout], steps), curve(reference, steps), rtol=TOLERANCE, atol=0.0)
         assert all(rank[layout]["losses"] == first[layout]["losses"] for rank in ranks)
     assert "composes with FSDP2/HSDP only for now" in first["refused"]

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from dream_trainer.testing import spawn_world
-from tests.demos import SMALL, Record, load
+from tests.demos import SMALL, Record, curve, load
 
 STEPS, EVERY = 6, 3
 # 4 blocks: 2 stages of 2, or 4 stages (2 per rank) for the interleaved schedules; 4 micro-batches of 2.
@@ -46,10 +46,6 @@ def single(tmp_path_factory):
     return str(root), _train(str(root), "single", "single")
 
 
-def _curve(run: dict, steps) -> torch.Tensor:
-    return torch.tensor([run["losses"][s] for s in steps])
-
-
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B", "auto"])
 def test_two_stages_track_one_process_and_resume_exactly(schedule, single, tmp_path):
     _, reference = single
@@ -65,7 +61,7 @@ def test_two_stages_track_one_process_and_resume_exactly(schedule, single, tmp_p
         for name, value in rank["full"]["initial"].items():
             assert torch.equal(value, reference["initial"][name]), name
     steps = range(1, STEPS + 1)
-    torch.testing.assert_close(_curve(full, steps), _curve(reference, steps), rtol=TOLERANCE, atol=0.0)
+    torch.testing.assert_close(curve(full, steps), curve(reference, steps), rtol=TOLERANCE, atol=0.0)
     # Validation through the pipeline: the same losses as one process.
     torch.testing.assert_close(torch.tensor([v for _, v in full["val"]]), torch.tensor([v for _, v in reference["val"]]),
                                rtol=TOLERANCE, atol=0.0)
@@ -91,7 +87,7 @@ def test_resume_across_a_change_of_pipeline_stages(single, tmp_path):
     stages = spawn_world(2, _resume_pp, str(tmp_path), one, timeout=600)
     onto_pp = stages[0]
     assert sorted(onto_pp["losses"]) == list(steps)
-    torch.testing.assert_close(_curve(onto_pp, steps), _curve(reference, steps), rtol=TOLERANCE, atol=0.0)
+    torch.testing.assert_close(curve(onto_pp, steps), curve(reference, steps), rtol=TOLERANCE, atol=0.0)
     staged = str(tmp_path / "gpt" / "onto-pp" / "checkpoints" / f"step_{STEPS:09d}")
     back = _train(str(tmp_path), "back", "single", resume=staged)
     assert back["losses"] == {}  # the run was complete: nothing left to train ...
@@ -135,7 +131,7 @@ def _track_one_process(ranks: list[dict], tmp_path: Path) -> None:
     assert single.status == "completed"
     steps = range(1, STEPS + 1)
     for name, run in ranks[0].items():
-        torch.testing.assert_close(_curve(run, steps), _curve(record.result(), steps), rtol=TOLERANCE, atol=0.0,
+        torch.testing.assert_close(curve(run, steps), curve(record.result(), steps), rtol=TOLERANCE, atol=0.0,
                                    msg=lambda m, name=name: f"{name}: {m}")
         assert all(rank[name]["losses"] == run["losses"] for rank in ranks)
 
