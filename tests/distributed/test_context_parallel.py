@@ -34,6 +34,16 @@ def test_head_tail_indices_cover_the_sequence_once_and_balance_causal_work():
     assert head_tail_indices(8, 2, 0).tolist() == [0, 1, 6, 7]
 
 
+def test_head_tail_layout_is_pytorch_context_parallels():
+    """On CUDA PyTorch's ring attention runs on our shards: it assumes its own head-tail
+    layout, which `head_tail_indices` must be, rank by rank."""
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+
+    for cp in (2, 4):
+        order = _HeadTailLoadBalancer(32, cp, "cpu")._generate_indices()[0]  # rank 0's part, then rank 1's, ...
+        assert torch.equal(torch.cat([head_tail_indices(32, cp, r) for r in range(cp)]), order)
+
+
 def test_a_sequence_the_ranks_cannot_split_evenly_is_refused():
     with pytest.raises(ValueError, match=r"sequence length 30 is not divisible by 2 x context_parallel = 4.*multiple of 4"):
         head_tail_indices(30, 2, 0)
