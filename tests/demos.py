@@ -86,3 +86,17 @@ class Record(Callback):
 def curve(run: dict[str, Any], steps: Any) -> torch.Tensor:
     """`Record` losses at `steps`, as a tensor (to compare loss curves)."""
     return torch.tensor([run["losses"][s] for s in steps])
+
+
+def assert_tracks_and_resumes(full: dict[str, Any], resumed: dict[str, Any], reference: dict[str, Any], steps: int,
+                              every: int, tolerance: float) -> None:
+    """`full`'s loss curve and validation losses are `reference`'s within `tolerance`
+    (relative), and `resumed` (from `full`'s checkpoint at step `every`) continues `full`'s
+    losses bit-exactly to step `steps`."""
+    torch.testing.assert_close(curve(full, range(1, steps + 1)), curve(reference, range(1, steps + 1)),
+                               rtol=tolerance, atol=0.0)
+    torch.testing.assert_close(torch.tensor([v for _, v in full["val"]]), torch.tensor([v for _, v in reference["val"]]),
+                               rtol=tolerance, atol=0.0)
+    assert sorted(resumed["losses"]) == list(range(every + 1, steps + 1))
+    for step, loss in resumed["losses"].items():
+        assert loss == full["losses"][step], step
