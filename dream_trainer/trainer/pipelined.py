@@ -1,5 +1,6 @@
 """`PipelineMixin`: `DreamTrainer`'s pipeline parallelism and the step API that runs the
-same ``training_step`` with or without it (`forward_backward`, `forward_loss`).
+same ``training_step`` with or without it (`forward_backward`, `forward_loss`), which also
+applies context parallelism (`dream_trainer.context_parallel`) when ``context_parallel > 1``.
 
 With ``DeviceParameters.pipeline_parallel = p > 1`` the model a trainer builds on the meta
 device is cut, by its `PipelineLayout`, into stages; each rank keeps its stages' layers
