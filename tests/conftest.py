@@ -1,7 +1,20 @@
+"""Which device each test needs.
+
+Every test runs on the CPU, also on a machine with GPUs: CUDA is hidden from this process and
+from every process a test starts (``CUDA_VISIBLE_DEVICES=""``, set before torch looks for a
+GPU), so a trainer's ``device="auto"`` is the CPU and a test's tensors and the trainer's agree.
+
+The ``cuda`` lane (tests/cuda, marker ``cuda``) exercises the CUDA paths: each test runs its
+body in a fresh process that sees the machine's GPUs (`tests.cuda_lane.on_cuda`). Where there
+is no CUDA GPU the lane is reported as skipped. ``pytest -m cuda`` runs the lane alone.
+"""
+
 import os
 
 import pytest
 import torch
+
+from tests.cuda_lane import hide_cuda
 
 # One intra-op thread in the test process and in every process it starts (they inherit the
 # variable; spawn_world's ranks set theirs from the core count): the suite runs several
@@ -9,6 +22,25 @@ import torch
 # make each parallel op wait for the slower one (5-8x slower steps when a core is busy).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+
+
+def pytest_configure(config):
+    hide_cuda()  # before any test: none of them (nor the processes they start) sees a GPU
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests under tests/cuda are the ``cuda`` lane; without a CUDA GPU they are skipped."""
+    lane = [item for item in items
+            if item.get_closest_marker("cuda") is not None or os.sep + "cuda" + os.sep in str(item.fspath)]
+    if not lane:
+        return
+    from tests.cuda_lane import gpu_count
+
+    count = gpu_count()
+    for item in lane:
+        item.add_marker(pytest.mark.cuda)
+        if count == 0:
+            item.add_marker(pytest.mark.skip(reason="no CUDA GPU on this machine (the cuda lane runs where one is)"))
 
 
 @pytest.fixture(autouse=True)

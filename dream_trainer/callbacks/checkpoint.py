@@ -22,12 +22,11 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dream_trainer.protocol.base import Callback
 from dream_trainer.checkpoint import (
     STAGING_PREFIX,
     CheckpointError,
+    PinnedStager,
     best_of,
     grouped_optimizer_state,
     check_shared_root,
@@ -107,10 +106,7 @@ class CheckpointCallback(Callback[BaseTrainer]):
             # with the training loop's.
             self._group = world.new_group(backend="gloo")
             if self.params.async_mode == "async_pinned":
-                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-                cuda = torch.cuda.is_available()
-                self._stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
+                self._stager = PinnedStager()
         path = self._choose_resume()
         if world.is_rank_zero:
             for stale in clean_staging(self.root):
@@ -215,7 +211,8 @@ class CheckpointCallback(Callback[BaseTrainer]):
             self.save_s.append(self.blocked_s[-1])
             trainer.callbacks.on_checkpoint_saved(_final(staging), step)
         else:
-            upload = dcp.async_save(state, checkpoint_id=str(staging), process_group=self._group, async_stager=self._stager)
+            stager = self._stager.for_save() if self._stager is not None else None
+            upload = dcp.async_save(state, checkpoint_id=str(staging), process_group=self._group, async_stager=stager)
             done: Future[None] = Future()
 
             def finish(upload: Any) -> None:  # in the writer thread: commit and prune there too

@@ -15,6 +15,11 @@ from dream_trainer.protocol.trainers import Accumulates, Counters, InWorld, RunD
 
 logger = logging.getLogger(__name__)
 
+TABLE_METRIC = {"cpu": "self_cpu_time_total", "cuda": "self_cuda_time_total"}
+"""What the ops table and the folded stacks are sorted by: the names every torch since 2.0
+accepts for both (``export_stacks`` takes only these; ``table`` maps "cuda" to the device's
+own name), so the CUDA export works on torch 2.11 as on 2.13."""
+
 
 @runtime_checkable
 class ProfiledTrainer(Accumulates, Counters, InWorld, RunDirectory, Stops, Protocol):
@@ -212,7 +217,7 @@ class ProfileCallback(Callback[ProfiledTrainer]):
 
     def _export_tables(self, prof: torch.profiler.profile) -> None:
         cuda = self._on_cuda()
-        metric = "self_device_time_total" if cuda else "self_cpu_time_total"
+        metric = TABLE_METRIC["cuda" if cuda else "cpu"]
         table = self._path("key_averages", "txt")
         table.write_text(prof.key_averages().table(sort_by=metric, row_limit=self.row_limit))
         self.exported.append(table)

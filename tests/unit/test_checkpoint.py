@@ -89,6 +89,31 @@ def test_resume_continues_exactly(cut, accumulation, async_mode):
     assert second.global_step == full.global_step == 24 // accumulation
 
 
+def test_async_pinned_saves_again_where_torchs_stager_closes_itself(monkeypatch):
+    """torch 2.11's DefaultStager closes itself at the end of each stage (pytorch#183413): a
+    second async_pinned save with it failed with KeyError: <class 'type'>. The same run as
+    above (four saves) with the stager behaving so resumes exactly."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    import dream_trainer.checkpoint as checkpoint_module
+
+    stage = DefaultStager._stage
+
+    def closing_stage(self, state_dict, **kwargs):  # what torch 2.11 does
+        staged = stage(self, state_dict, **kwargs)
+        self._state_dict_stager.close()
+        return staged
+
+    monkeypatch.setattr(DefaultStager, "_stage", closing_stage)
+    monkeypatch.setattr(checkpoint_module, "_REUSABLE", [])  # asked again, of the stager as patched
+    assert not checkpoint_module.stager_reusable()
+    full, _ = run(root_dir="full", async_mode="async_pinned", every_n_steps=5)
+    first, saver = run(async_mode="async_pinned", every_n_steps=5, max_steps=12)
+    second, loader = run(async_mode="async_pinned", every_n_steps=5)
+    assert len(saver.saved) == 3 and loader.resumed_from == saver.saved[-1]  # steps 5, 10 and 12
+    assert losses(first) + losses(second) == losses(full)
+
+
 def test_callback_state_survives_resume():
     counter = Counter()
     run(max_steps=5, callbacks=[counter])

@@ -51,6 +51,18 @@ def test_profile_exports_a_trace_and_a_table_then_stops(tmp_path):
     assert trainer.global_step == 24 and len(steps_after) == 20 and not any(steps_after)  # kept training, profiler off
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_tables_metric_is_one_torch_exports_for_each_device(tmp_path, device):
+    """The table and the folded stacks are sorted by a metric torch accepts on either device
+    (on CUDA the callback asked for "self_device_time_total", which export_stacks refuses)."""
+    from dream_trainer.callbacks.profile import TABLE_METRIC
+
+    with torch.profiler.profile(with_stack=True) as prof:
+        torch.ones(64, 64) @ torch.ones(64, 64)
+    prof.export_stacks(str(tmp_path / "stacks.txt"), metric=TABLE_METRIC[device])
+    assert "aten::mm" in prof.key_averages().table(sort_by=TABLE_METRIC[device], row_limit=-1)
+
+
 def test_profile_can_end_the_run_and_checks_its_arguments(tmp_path):
     prof = ProfileCallback(wait=0, warmup=1, active=1, output_dir=tmp_path, stop_training=True)
     trainer = ToyTrainer(config([prof]))

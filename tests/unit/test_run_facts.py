@@ -236,7 +236,7 @@ def _proc_status_kib(field):
 
 def test_memory_status_on_cpu_is_the_processes_resident_set_and_its_peak():
     world = DistributedWorld()
-    assert world.device.type == "cpu" or not torch.cuda.is_available()
+    assert world.device.type == "cpu"  # CUDA is hidden from the tests (the cuda lane has the CUDA case)
     before = world.memory_status(device="cpu")
     assert isinstance(before, MemoryStatus) and before.device == torch.device("cpu")
     assert before.allocated == before.reserved == before.rss > 50 * MB and before.total and before.total > before.rss
@@ -255,24 +255,6 @@ def test_memory_status_on_cpu_is_the_processes_resident_set_and_its_peak():
         after = world.memory_status(device="cpu")
         assert after.peak_rss < grown.rss - 100 * MB
         assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 < grown.rss - 100 * MB
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_memory_status_on_cuda_is_the_allocators():
-    world = DistributedWorld()
-    device = torch.device("cuda", torch.cuda.current_device())
-    world.reset_peak_memory()
-    before = world.memory_status(device)
-    block = torch.empty(256 * MB, dtype=torch.uint8, device=device)
-    during = world.memory_status(device)
-    assert during.allocated - before.allocated == 256 * MB == torch.cuda.memory_allocated(device) - before.allocated
-    assert during.reserved >= during.allocated and during.peak_allocated >= during.allocated
-    assert during.total == torch.cuda.get_device_properties(device).total_memory and during.rss > 0
-    del block
-    after = world.memory_status(device)
-    assert after.allocated == before.allocated and after.peak_allocated == during.peak_allocated
-    world.reset_peak_memory()
-    assert world.memory_status(device).peak_allocated < during.peak_allocated
 
 
 class CountingWorld(DistributedWorld):

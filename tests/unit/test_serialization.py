@@ -199,12 +199,17 @@ def test_a_v0_1_checkpoint_is_refused_then_migrated_once_and_resumes_exactly():
     counter = Counter()
     trainer, saver = run(root="old", callbacks=[counter])
     assert saver.resumed_from == Path("old/step_000000007")
-    assert [x.item() for x in trainer.step_losses] == reference["losses"][7:]  # the same data, RNG, optimizer
+    # The reference was computed on the machine that made the fixture: another CPU's kernels
+    # sum in another order (a few ulp apart: 0.35426247 against 0.35426250 was seen), so it is
+    # compared within float32 rounding. A wrong data position, RNG or optimizer state would
+    # move them by far more than that.
+    torch.testing.assert_close(torch.stack(trainer.step_losses).cpu(), torch.tensor(reference["losses"][7:]),
+                               rtol=1e-5, atol=0.0)
     assert counter.count == reference["counter"]
     from safetensors.torch import load_file
 
     for name, value in load_file(str(FIXTURE / "final.safetensors")).items():
-        assert torch.equal(trainer.model.state_dict()[name], value), name
+        torch.testing.assert_close(trainer.model.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
     again = subprocess.run([*cli, "--trust"], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "already in format 2" in again.stdout
 
