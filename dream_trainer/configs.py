@@ -207,6 +207,11 @@ class DeviceParameters:
     device): CUDA only (DTensor's RNG tracker gives each shard its own part of the random
     stream, but the values are not those of a single-process run); refused on CPU, where
     every shard would draw the same numbers.
+
+    `fused_optimizers`: on CUDA, torch's Adam, AdamW and SGD built with neither ``fused``
+    nor ``foreach`` run fused (one kernel launch per update phase for all parameters;
+    torch's own default there is ``foreach``). False: optimizers run as built. See
+    `dream_trainer.trainer.fused`.
     """
 
     device: str = "auto"
@@ -224,6 +229,7 @@ class DeviceParameters:
     checkpoint_activations: bool = False
     cpu_offload: bool = False
     weight_init: Literal["full", "sharded"] = "full"
+    fused_optimizers: bool = True
     init_timeout_s: float = 600.0
     timeout_s: float = 300.0
 
@@ -257,7 +263,7 @@ class DeviceParameters:
                 raise ValueError(f"{owner}.{name}={value!r} is invalid: expected None or one of {_DTYPES}")
         for name in ("init_timeout_s", "timeout_s"):
             _seconds(owner, name, getattr(self, name))
-        _flags(owner, self, "compile_model", "checkpoint_activations", "cpu_offload")
+        _flags(owner, self, "compile_model", "checkpoint_activations", "cpu_offload", "fused_optimizers")
 
     @classmethod
     def SINGLE_DEVICE(cls, **kwargs: Any) -> DeviceParameters:

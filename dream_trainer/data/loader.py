@@ -37,16 +37,24 @@ def _open(data: TokenFile | str | Path, dtype: str | None) -> TokenFile:
     return data if isinstance(data, TokenFile) else TokenFile(data, dtype=dtype)
 
 
-def _gather(file: TokenFile, ids: np.ndarray, seq_len: int, mode: str, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(inputs, targets)`` of samples `ids`: one read of the memory map for windows."""
+def _gather(file: TokenFile, ids: np.ndarray, seq_len: int, mode: str, pad_id: int,
+            pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, targets)`` of samples `ids`: one read of the memory map for windows.
+    `pin`: both in pinned host memory, each contiguous (what a non-blocking copy to a GPU
+    needs: a strided view of pinned memory is copied through pageable memory)."""
     if mode == "windows":
         rows = (ids.astype(np.int64) * seq_len)[:, None] + np.arange(seq_len + 1)
-        tokens = np.asarray(file.tokens[rows], dtype=np.int64)
+        tokens = file.tokens[rows]
     else:
         tokens = np.stack([file.sample(int(i), seq_len, mode, pad_id) for i in ids]) if len(ids) else \
             np.empty((0, seq_len + 1), dtype=np.int64)
-    batch = torch.from_numpy(tokens)
-    return batch[:, :-1], batch[:, 1:]
+    if not pin:
+        batch = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+        return batch[:, :-1], batch[:, 1:]
+    inputs, targets = (torch.empty((len(ids), seq_len), dtype=torch.int64, pin_memory=True) for _ in range(2))
+    np.copyto(inputs.numpy(), tokens[:, :-1], casting="unsafe")  # the file's uint16/uint32 ids, widened
+    np.copyto(targets.numpy(), tokens[:, 1:], casting="unsafe")
+    return inputs, targets
 
 
 class TokenDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -84,6 +92,9 @@ class TokenLoader:
         seed: the order's seed. mode: ``"windows"`` or ``"documents"`` (see `TokenFile.sample`).
         shuffle: False: the file's order (epoch after epoch).
         return_ids: yield the sample ids as a third element.
+        pin_memory: yield the batches in pinned host memory, inputs and targets contiguous
+            (their copy to a GPU is then non-blocking and overlaps the step). None: pin when
+            `world`'s device is CUDA.
 
     Use `for_trainer` in ``configure_dataloaders``: it takes the global and micro-batch sizes
     from ``TrainingParameters`` and the world and seed from the trainer.
@@ -97,7 +108,7 @@ class TokenLoader:
     def __init__(self, data: TokenFile | str | Path, seq_len: int, global_batch_size: int, *, world: Any = None,
                  dp_rank: int = 0, dp_size: int = 1, micro_batch_size: int | None = None, seed: int = 0,
                  mode: str = "windows", shuffle: bool = True, pad_id: int = 0, dtype: str | None = None,
-                 return_ids: bool = False):
+                 return_ids: bool = False, pin_memory: bool | None = None):
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"TokenLoader(seq_len={seq_len!r}): expected an int >= 1")
         self.file = _open(data, dtype)
@@ -105,6 +116,9 @@ class TokenLoader:
         if world is not None:
             dp_rank, dp_size = world.dp_rank, world.dp_size
         self.world, self.dp_rank, self.dp_size = world, dp_rank, dp_size
+        if pin_memory is None:
+            pin_memory = getattr(getattr(world, "device", None), "type", None) == "cuda"
+        self.pin_memory = bool(pin_memory)
         self.micro_batch_size, self.accumulation_steps = split_global_batch(global_batch_size, dp_size, micro_batch_size)
         self.global_batch_size = global_batch_size
         n_samples = self.file.n_samples(seq_len, mode)
@@ -189,7 +203,7 @@ class TokenLoader:
         return self.order.peek()[start:start + micro]
 
     def _batch(self, ids: np.ndarray) -> tuple[torch.Tensor, ...]:
-        x, y = _gather(self.file, ids, self.seq_len, self.mode, self.pad_id)
+        x, y = _gather(self.file, ids, self.seq_len, self.mode, self.pad_id, self.pin_memory)
         return (x, y, torch.from_numpy(ids.astype(np.int64))) if self.return_ids else (x, y)
 
     # ------------------------------------------------------------------ the position

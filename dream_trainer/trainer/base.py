@@ -26,11 +26,12 @@ from dream_trainer.trainer.metrics import MetricsMixin
 from dream_trainer.trainer.control import ControlPlane, TrainingInterrupted
 from dream_trainer.trainer.data import DataMixin, set_epoch
 from dream_trainer.trainer.data_position import DataPosition
+from dream_trainer.trainer.fused import prefer_fused
 from dream_trainer.trainer.state import StateMixin
 from dream_trainer.trainer.stepping import StepMixin
 from dream_trainer.trainer.step_path import StepPath
 from dream_trainer.trainer.telemetry import RunningMean
-from dream_trainer.utils import detach_result, seed_everything, to_device
+from dream_trainer.utils import detach_result, seed_everything
 from dream_trainer.world.world import DistributedWorld
 
 logger = logging.getLogger(__name__)
@@ -213,6 +214,9 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         cb.pre_configure()
         self.configure()
         self.index_parameters()
+        if self.world.device_parameters.fused_optimizers:
+            for optimizer in self.named_optimizers().values():
+                prefer_fused(optimizer)
         cb.post_configure()
         self._control_point()
         cb.pre_setup()
@@ -367,8 +371,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         kind = 0 if accumulating else log_kind
         log_.gate = kind > 0
         self._batch_arrived(batch, step)
-        if self.world.device.type != "cpu":
-            batch = to_device(batch, self.world.device)
+        batch = self.world.transfer(batch)
         skipped, result, loss = self._train_batch(batch, batch_idx, accumulating)
         means = log_.step_means(step, result, accumulating) if log_kind == 2 and not skipped else None
         step_skipped = not accumulating and self._end_step()
@@ -429,12 +432,10 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
             model.eval()
         self.validating, self.sanity_checking = True, sanity
         self.metric_log.start_validation()
-        move = self.world.device.type != "cpu"
         try:
             cb.pre_validation_epoch()
             for batch_idx, batch in enumerate(itertools.islice(loader, limit)):
-                if move:
-                    batch = to_device(batch, self.world.device)
+                batch = self.world.transfer(batch)
                 cb.pre_validation_step(batch, batch_idx)
                 result = self._run_step(self.validation_step, batch, batch_idx, "validation_context", False)
                 cb.post_validation_step(result, batch_idx)

@@ -22,6 +22,7 @@ from dream_trainer.world.memory import MemoryStatus, read_memory_status, reset_p
 from dream_trainer.world.plan import MESH_DIMS, MeshPlan, plan_mesh
 from dream_trainer.world.rendezvous import Heartbeat, is_communication_error, roll_call
 from dream_trainer.world.sockets import shutdown_sockets, socket_inodes
+from dream_trainer.world.transfer import BatchTransfer
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class DistributedWorld:
         self.local_rank, self.local_world_size = self.cluster.local_rank, self.cluster.local_world_size
         self.plan: MeshPlan = plan_mesh(self.device_parameters, self.world_size, self.local_world_size)
         self.device = self._resolve_device()
+        self.transfer = BatchTransfer()  # batches to `device` (on CUDA: on a stream of their own), from launch on
         self.mesh: DeviceMesh | None = None
         self._owns_process_group = False
         self._launched = False
@@ -110,6 +112,7 @@ class DistributedWorld:
             return
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self.transfer.start(self.device)
         timeout = timedelta(seconds=self.device_parameters.init_timeout_s)
         before = socket_inodes()
         if not dist.is_initialized():
