@@ -1,23 +1,62 @@
-"""What every benchmark script shares: the machine description and the JSON file."""
+"""What every benchmark script shares: the machine description, the JSON file, the spread of
+repeated measurements and a per-step timer (windows of steps: `StepWindowCallback`)."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dream_trainer import Callback
+from dream_trainer.callbacks.step_window import spread, verdict  # noqa: F401  (the benchmarks' import point)
+
+
+
+
+def cpu_model() -> str:
+    """The processor's name (Linux: /proc/cpuinfo), else the platform's."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def machine() -> dict[str, Any]:
-    """Where the numbers were taken."""
-    return {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
-            "torch": torch.__version__}
+    """Where the numbers were taken: the host, the GPUs (if any) and the versions."""
+    info: dict[str, Any] = {"platform": platform.platform(), "processor": cpu_model(), "cpu_count": os.cpu_count(),
+                            "python": sys.version.split()[0], "torch": torch.__version__,
+                            "torchao": _version("torchao"), "date": time.strftime("%Y-%m-%d")}
+    if torch.cuda.is_available():
+        info["cuda"] = torch.version.cuda
+        info["gpus"] = [f"{torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))}, "
+                        f"{torch.cuda.get_device_properties(i).total_memory / 2**30:.0f} GiB)"
+                        for i in range(torch.cuda.device_count())]
+    return info
+
+
+def device_name(device: str) -> str:
+    """The GPU's name on CUDA, else the processor's."""
+    return torch.cuda.get_device_name(0) if device == "cuda" else cpu_model()
 
 
 def write_json(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
@@ -29,6 +68,11 @@ def write_json(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     return out
 
 
+def _sync(trainer: Any) -> None:
+    if trainer.world.device.type == "cuda":
+        torch.cuda.synchronize()  # deliberate: the window's edges are device time
+
+
 class StepTimes(Callback[Any]):
     """Each optimizer step's wall time, from ``trainer.step_stats`` (synchronized on CUDA)."""
 
@@ -37,6 +81,5 @@ class StepTimes(Callback[Any]):
 
     def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
         if not self.trainer.is_accumulating_gradients:
-            if self.trainer.world.device.type == "cuda":
-                torch.cuda.synchronize()
+            _sync(self.trainer)
             self.times.append(self.trainer.step_stats.step_time_s)

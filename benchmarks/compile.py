@@ -1,20 +1,30 @@
-"""Eager vs torch.compile on the demo GPT (examples/gpt): tokens/s and compile time.
+"""Eager vs torch.compile on the demo GPT (examples/gpt): tokens/s and compile time, by how the
+model is compiled.
 
-For each model size, the demo's `GPTTrainer` trains in a fresh process, one rank, with:
+For each model size, the demo's `GPTTrainer` trains one rank, one process per size, the
+strategies one after the other in that process (dynamo reset between them) and in an order
+that rotates every round:
 
-    eager                       no compile
-    compile                     each block ``torch.compile``d with the default mode (inductor)
-    max-autotune-no-cudagraphs  the same with mode="max-autotune-no-cudagraphs" (autotuned
-                                kernels, no CUDA graphs); where it fails, the row says why
+    eager               no compile
+    demo                the demo's own ``apply_compile`` (the whole model as one region on one
+                        device; each block on its own when the model is sharded or split)
+    blocks              each transformer block compiled on its own (torchtitan's way; what the
+                        demo did before)
+    model               the whole GPT as one compiled region
+    model-cudagraphs    the same with mode="reduce-overhead" (CUDA graphs; CUDA only)
 
-Each run has a fresh inductor cache directory, so compile time is a cold compile. A timing
-callback reads ``trainer.step_stats.step_time_s``: compile time = the first step's time
-minus the median of the timed steps (the first step compiles forward and backward);
-tokens/s = tokens per step / that median. Rounds interleave the modes (the machine is
-noisy); the table gives medians over rounds and the speedup over eager of the same size.
+Sizes (n_layer, n_head, d_model; precision): on CUDA ``demo`` (the demo's shape, float32 as
+the demo runs by default), ``demo-bf16``, ``wide-bf16`` (4, 8, 256) and ``large-bf16``
+(12, 12, 768, GPT-2 small's blocks) with bf16 autocast, batch 64 x 256 tokens; on a CPU
+``small``, ``demo`` and ``wide`` in float32, batch 16 x 64.
 
-    python benchmarks/compile.py            # 3 sizes x 3 modes x 2 rounds: ~10 minutes on 2 CPU cores
-    python benchmarks/compile.py --quick    # demo size, eager and compile, 1 round: ~1.5 minutes
+The step time is a window of steps after warm-up, cut in `--parts` windows, the device
+synchronized only at their edges; compile s is the first step (synchronized) minus a steady step, from the first round
+(a cold inductor cache; later rounds reuse it). The table gives medians over rounds, the
+speedup over eager of the same size, round and window, and the spread of that speedup.
+
+    python benchmarks/compile.py             # every size, eager/demo/blocks/model, 2 rounds
+    python benchmarks/compile.py --smoke     # seconds: small size, eager and demo, few steps (what CI runs)
 """
 
 from __future__ import annotations
@@ -35,120 +45,167 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt")
 from train import PARALLEL, GPTTrainer, demo_config, parse_args  # noqa: E402
 
 from dream_trainer import LoggingParameters, TrainerConfig, TrainingParameters  # noqa: E402
+from dream_trainer.callbacks.step_window import StepWindowCallback  # noqa: E402
 from dream_trainer.testing import spawn_world  # noqa: E402
 
-from common import StepTimes, machine, write_json  # noqa: E402  (benchmarks/common.py)
+from common import device_name, machine, spread, verdict, write_json  # noqa: E402  (benchmarks/common.py)
 
-SIZES = {"small": (2, 2, 64), "demo": (4, 4, 128), "wide": (4, 8, 256)}  # n_layer, n_head, d_model
-MODES = ("eager", "compile", "max-autotune-no-cudagraphs")
+SIZES = {  # name -> (n_layer, n_head, d_model, autocast dtype or None)
+    "small": (2, 2, 64, None), "demo": (4, 4, 128, None), "wide": (4, 8, 256, None),
+    "demo-bf16": (4, 4, 128, "bfloat16"), "wide-bf16": (4, 8, 256, "bfloat16"), "large-bf16": (12, 12, 768, "bfloat16"),
+}
+DEFAULT_SIZES = {"cuda": "demo,demo-bf16,wide-bf16,large-bf16", "cpu": "small,demo,wide"}
+STRATEGIES = ("eager", "demo", "blocks", "model", "model-cudagraphs")
+DEFAULT_STRATEGIES = "eager,demo,blocks,model"
 
 
-class ModeTrainer(GPTTrainer):
-    """The demo trainer, compiling each block with the benchmark's mode."""
+class StrategyTrainer(GPTTrainer):
+    """The demo trainer, compiled the benchmark's way."""
 
-    mode: str | None = None
+    strategy = "demo"
 
     def apply_compile(self) -> None:
-        for block in self.model.blocks:
-            self.compile_module(block, **({} if self.mode in (None, "compile") else {"mode": self.mode}))
+        if self.strategy == "demo":
+            super().apply_compile()
+        elif self.strategy == "blocks":
+            for block in self.model.blocks:
+                self.compile_module(block)
+        elif self.strategy == "model":
+            self.compile_module(self.model)
+        elif self.strategy == "model-cudagraphs":
+            self.compile_module(self.model, mode="reduce-overhead")
 
 
-def run(size: str, mode: str, steps: int, batch_size: int, block_size: int, device: str) -> dict[str, Any]:
-    """One run in its own process (spawn_world(1, ...)) with a cold inductor cache."""
-    n_layer, n_head, d_model = SIZES[size]
-    with tempfile.TemporaryDirectory(prefix="inductor_") as cache:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-        torch.set_num_threads(os.cpu_count() or 1)
-        args = parse_args(["--steps", str(steps), "--batch-size", str(batch_size), "--block-size", str(block_size),
+def _one(size: str, strategy: str, opts: dict[str, Any]) -> dict[str, Any]:
+    n_layer, n_head, d_model, dtype = SIZES[size]
+    batch, block, steps, warmup = opts["batch_size"], opts["block_size"], opts["steps"], opts["warmup"]
+    total = warmup + steps
+    with tempfile.TemporaryDirectory(prefix="compile_run_") as root:
+        args = parse_args(["--steps", str(total), "--batch-size", str(batch), "--block-size", str(block),
                            "--n-layer", str(n_layer), "--n-head", str(n_head), "--d-model", str(d_model),
-                           "--n-chars", str(int((steps + 2) * (batch_size * block_size + batch_size) / 0.9))])
-        timer = StepTimes()
-        ModeTrainer.mode = None if mode == "eager" else mode
+                           "--n-chars", str(int((total + 2) * (batch * block + batch) / 0.9)),
+                           "--data-dir", os.path.join(opts["cache"], f"data_{size}")])
+        timer = StepWindowCallback(warmup, parts=opts["parts"])
+        StrategyTrainer.strategy = strategy
         config = TrainerConfig(
-            experiment="compile", root_dir=cache, seed=0,
-            device_parameters=PARALLEL["single"](device=device, compile_model=mode != "eager"),
-            training_parameters=TrainingParameters(n_epochs=None, max_steps=steps, val_every_n_steps=None,
-                                                   validate_at_epoch_end=False, num_sanity_val_steps=0),
+            experiment="compile", root_dir=root, seed=0,
+            device_parameters=PARALLEL["single"](device=opts["device"], compile_model=strategy != "eager",
+                                                 autocast_dtype=getattr(torch, dtype) if dtype else None),
+            training_parameters=TrainingParameters(n_epochs=None, max_steps=total, val_every_n_steps=None,
+                                                   validate_at_epoch_end=False, num_sanity_val_steps=0,
+                                                   global_batch_size=batch, gradient_clip_val=1.0),  # the demo's
             logging_parameters=LoggingParameters(log_every_n_steps=10**9, log_lr=False),
             callbacks=[timer],
         )
-        trainer = ModeTrainer(demo_config(config, args))
+        trainer = StrategyTrainer(demo_config(config, args))
         start = time.perf_counter()
         try:
             trainer.fit()
-        except Exception as exc:  # noqa: BLE001 - a mode that does not work here is a result
+        except Exception as exc:  # noqa: BLE001 - a strategy that does not work here is a result
             return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
-        timed = sorted(timer.times[2:])
-        median = statistics.median(timed)
-        return {"median_step_s": median, "first_step_s": timer.times[0], "compile_s": max(0.0, timer.times[0] - median),
-                "tokens_per_s": batch_size * block_size / median, "wall_s": time.perf_counter() - start,
-                "params": sum(p.numel() for p in trainer.model.parameters()), "regions": len(trainer.compiled_modules)}
+        assert timer.step_s is not None and timer.first_step_s is not None
+        return {"step_s": timer.step_s, "part_step_s": timer.part_step_s, "first_step_s": timer.first_step_s,
+                "compile_s": max(0.0, timer.first_step_s - timer.step_s), "tokens_per_s": batch * block / timer.step_s,
+                "wall_s": time.perf_counter() - start, "params": sum(p.numel() for p in trainer.model.parameters()),
+                "regions": list(trainer.compiled_modules)}
+
+
+def run_size(size: str, order: list[str], opts: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every strategy of one size, in `order`, in this (fresh) process."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(opts["cache"], "inductor")
+    torch.set_num_threads(os.cpu_count() or 1)
+    out = {}
+    for strategy in order:
+        torch._dynamo.reset()  # no strategy reuses another's compiled code
+        out[strategy] = _one(size, strategy, opts)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps per run (the first 2 are not timed)")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=5, help="steps before the timed window (the first compiles)")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, from {list(SIZES)}")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {list(MODES)}")
-    p.add_argument("--quick", action="store_true", help="demo size, eager and compile, 1 round, 10 steps")
+    p.add_argument("--parts", type=int, default=3, help="the timed steps as this many windows (the spread within a run)")
+    p.add_argument("--batch-size", type=int, default=None, help="default: 64 on CUDA, 16 on CPU")
+    p.add_argument("--block-size", type=int, default=None, help="default: 256 on CUDA, 64 on CPU")
+    p.add_argument("--sizes", default=None, help=f"comma-separated, from {list(SIZES)} (default: {DEFAULT_SIZES})")
+    p.add_argument("--strategies", default=DEFAULT_STRATEGIES, help=f"comma-separated, from {list(STRATEGIES)}")
+    p.add_argument("--smoke", action="store_true", help="seconds: small size, eager and demo, 1 round, 3 steps")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "compile.json"))
     args = p.parse_args(argv)
-    if args.quick:
-        args.sizes, args.modes, args.rounds, args.steps = "demo", "eager,compile", 1, 10
-    sizes, modes = args.sizes.split(","), args.modes.split(",")
-    for name in sizes:
-        if name not in SIZES:
-            p.error(f"--sizes: {name!r} is not one of {list(SIZES)}")
-    for name in modes:
-        if name not in MODES:
-            p.error(f"--modes: {name!r} is not one of {list(MODES)}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    runs: dict[tuple[str, str], list[dict[str, Any]]] = {(s, m): [] for s in sizes for m in modes}
+    args.sizes = args.sizes or DEFAULT_SIZES[device]
+    args.batch_size = args.batch_size or (64 if device == "cuda" else 16)
+    args.block_size = args.block_size or (256 if device == "cuda" else 64)
+    if args.smoke:
+        args.sizes, args.strategies, args.rounds, args.steps, args.warmup, args.parts = "small", "eager,demo", 1, 3, 1, 1
+        args.batch_size, args.block_size = 4, 32
+    sizes, strategies = args.sizes.split(","), args.strategies.split(",")
+    for name, given, allowed in (("--sizes", sizes, list(SIZES)), ("--strategies", strategies, list(STRATEGIES))):
+        bad = [x for x in given if x not in allowed]
+        if bad:
+            p.error(f"{name}: {bad} not in {allowed}")
+    if "eager" not in strategies:
+        p.error("--strategies: the speedups are against 'eager', which must be one of them")
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {(s, m): [] for s in sizes for m in strategies}
     start = time.perf_counter()
-    for r in range(args.rounds):
-        for size in sizes:
-            order = modes[r % len(modes):] + modes[: r % len(modes)]
-            for mode in order:
-                (out,) = spawn_world(1, run, size, mode, args.steps, args.batch_size, args.block_size, device, timeout=1200)
-                runs[(size, mode)].append(out)
-                shown = out.get("error") or f"{out['tokens_per_s']:,.0f} tokens/s, compile {out['compile_s']:.1f} s"
-                print(f"  round {r + 1}/{args.rounds} {size:<6} {mode:<27} {shown}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="compile_bench_") as cache:
+        opts = {"device": device, "batch_size": args.batch_size, "block_size": args.block_size, "steps": args.steps,
+                "warmup": args.warmup, "parts": args.parts, "cache": cache}
+        for r in range(args.rounds):
+            order = strategies[r % len(strategies):] + strategies[: r % len(strategies)]
+            for size in sizes:
+                (out,) = spawn_world(1, run_size, size, order, opts, timeout=1800)
+                for strategy in order:
+                    runs[(size, strategy)].append(out[strategy])
+                    x = out[strategy]
+                    shown = x.get("error") or f"{x['tokens_per_s']:,.0f} tokens/s, first step {x['first_step_s']:.1f} s"
+                    print(f"  round {r + 1}/{args.rounds} {size:<11} {strategy:<17} {shown}", flush=True)
     wall = time.perf_counter() - start
+    rows = _table(sizes, strategies, runs, device, args)
+    result = {"rows": rows, "settings": vars(args), "device": device, "device_name": device_name(device),
+              "wall_s": wall, "machine": machine()}
+    write_json(result, args.out)
+    print(f"({wall:.0f} s)")
+    return result
 
-    print(f"\ndemo GPT on {device}, batch {args.batch_size} x {args.block_size} tokens, {args.steps} steps per run "
-          f"(first 2 untimed), {args.rounds} round(s); torch {torch.__version__}, {os.cpu_count()} CPU cores\n")
-    head = f"{'size':<7}{'params':>10}{'mode':>29}{'tokens/s':>11}{'vs eager':>10}{'ms/step':>9}{'compile s':>11}"
+
+def _table(sizes: list[str], strategies: list[str], runs: dict[tuple[str, str], list[dict[str, Any]]], device: str,
+           args: argparse.Namespace) -> list[dict[str, Any]]:
+    print(f"\ndemo GPT on {device_name(device)}, batch {args.batch_size} x {args.block_size} tokens, {args.steps} timed "
+          f"steps after {args.warmup}, {args.rounds} round(s); torch {torch.__version__}\n")
+    head = (f"{'size':<12}{'params':>12}{'strategy':>18}{'tokens/s':>12}{'vs eager':>10}{'spread':>8}{'ms/step':>9}"
+            f"{'compile s':>11}  verdict")
     print(head)
     print("-" * len(head))
     rows = []
     for size in sizes:
-        eager = [x for x in runs[(size, "eager")] if "error" not in x] if "eager" in modes else []
-        eager_tps = statistics.median(x["tokens_per_s"] for x in eager) if eager else None
-        for mode in modes:
-            ok = [x for x in runs[(size, mode)] if "error" not in x]
+        eager = runs[(size, "eager")]
+        for strategy in strategies:
+            xs = runs[(size, strategy)]
+            ok = [x for x in xs if "error" not in x]
             if not ok:
-                error = runs[(size, mode)][0]["error"]
-                rows.append({"size": size, "mode": mode, "error": error})
-                print(f"{size:<7}{'':>10}{mode:>29}   failed: {error}")
+                rows.append({"size": size, "strategy": strategy, "error": xs[0]["error"]})
+                print(f"{size:<12}{'':>12}{strategy:>18}   failed: {xs[0]['error']}")
                 continue
-            tps = statistics.median(x["tokens_per_s"] for x in ok)
-            row = {"size": size, "mode": mode, "params": ok[0]["params"], "tokens_per_s": tps,
-                   "speedup_vs_eager": tps / eager_tps if eager_tps else None,
-                   "median_step_ms": statistics.median(x["median_step_s"] for x in ok) * 1e3,
-                   "compile_s": statistics.median(x["compile_s"] for x in ok), "runs": ok}
+            ratios = [pe / px for x, e in zip(xs, eager) if "error" not in x and "error" not in e
+                      for px, pe in zip(x["part_step_s"], e["part_step_s"])]
+            row = {"size": size, "shape": SIZES[size], "strategy": strategy, "params": ok[0]["params"],
+                   "regions": ok[0]["regions"], "tokens_per_s": statistics.median(x["tokens_per_s"] for x in ok),
+                   "vs_eager": statistics.median(ratios) if ratios else None, "vs_eager_rounds": ratios,
+                   "vs_eager_spread": spread(ratios), "verdict": verdict(ratios) if strategy != "eager" else None,
+                   "step_ms": statistics.median(x["step_s"] for x in ok) * 1e3,
+                   "compile_s": ok[0]["compile_s"], "runs": xs}
             rows.append(row)
-            speed = f"{row['speedup_vs_eager']:.2f}x" if row["speedup_vs_eager"] else "-"
-            compile_s = f"{row['compile_s']:.1f}" if mode != "eager" else "-"
-            print(f"{size:<7}{row['params']:>10,}{mode:>29}{tps:>11,.0f}{speed:>10}{row['median_step_ms']:>9.1f}{compile_s:>11}")
-    print("\n  compile s = first step - median step (cold inductor cache); tokens/s and ms/step from the median\n"
-          "  timed step. On CPU, inductor generates C++ (OpenMP) kernels; on a GPU, Triton kernels.")
-    result = {"rows": rows, "settings": vars(args), "device": device, "wall_s": wall, "machine": machine()}
-    write_json(result, args.out)
-    print(f"({wall:.0f} s)")
-    return result
+            vs = f"{row['vs_eager']:.2f}x" if row["vs_eager"] is not None else "-"
+            compile_s = f"{row['compile_s']:.1f}" if strategy != "eager" else "-"
+            print(f"{size:<12}{row['params']:>12,}{strategy:>18}{row['tokens_per_s']:>12,.0f}{vs:>10}"
+                  f"{100 * row['vs_eager_spread']:>7.0f}%{row['step_ms']:>9.2f}{compile_s:>11}  {row['verdict'] or ''}")
+    print("\n  vs eager: median over rounds and windows of (strategy / eager, the same size, round and window);\n"
+          "  spread: (max - min) / median of those ratios. compile s: the first round's first step minus a steady\n"
+          "  step (cold cache).")
+    return rows
 
 
 if __name__ == "__main__":

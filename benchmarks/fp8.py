@@ -1,23 +1,32 @@
-"""Float8 training (torchao, `Fp8QuantizationCallback`) against bfloat16: tokens/s and peak memory.
+"""Float8 training (torchao, `Fp8QuantizationCallback`) against bfloat16: what the matmuls gain
+once the data is not the bottleneck.
 
-Two models, each trained one rank on the whole machine, in a fresh process per run:
+Every batch is made on the device before training (a few random batches, reused): the step
+is the model's forward, backward and fused AdamW update, nothing else. Two models, each
+trained one rank in a fresh process per run:
 
-    gpt   the demo GPT (examples/gpt): 4 blocks, d_model 128 (linears 128x128 .. 128x512)
-    mlp   a linear-heavy model: 4 x Linear(width, width) on token rows (a transformer's MLP share);
-          width = tokens = 1024 on CUDA, 512 on CPU
+    mlp     4 x Linear(width, width) with GELU on `tokens` token rows (a transformer's MLP
+            share), then a Linear(width, 16) head: width 4096, 8192 tokens on CUDA (512 and
+            512 on CPU)
+    llama   Llama-3-8B-shaped decoder blocks (hidden 4096, SwiGLU 14336, 32 heads, 8 KV heads,
+            RoPE, RMSNorm) on 4 x 2048 tokens, 2 blocks, each compiled on its own, then a
+            Linear(hidden, 16) head (on CPU: a 256-wide miniature)
 
-Variants: ``fp32``; ``bf16`` (autocast bfloat16); ``fp8-tensorwise`` and ``fp8-rowwise``
-(bf16 autocast with the linears in float8), each eager and, with ``--compile``, compiled.
-tokens/s from the median timed step; peak memory from the device (CUDA) or the process's
-peak resident set (CPU). The ratio column is against bf16 of the same model and mode.
+Variants: ``bf16`` (autocast), ``fp8-tensorwise`` and ``fp8-rowwise`` (bf16 autocast with the
+linears in float8), compiled (``--eager`` adds the eager runs; ``--variants`` picks). The
+step time is a window of steps after warm-up, cut in `--parts` windows, the device synchronized
+only at their edges; rounds interleave the variants and the table gives the median over rounds, the ratio to bf16
+and its spread.
 
-On a CPU (or a GPU before SM89) there is no float8 matmul: `Fp8QuantizationCallback` has torchao
-emulate it (``emulate=True``: casts, scales and a float32 matmul), so float8 is SLOWER there;
-the script says so. The speedup is a property of H100/H200-class GPUs (torchtitan reports
-~1.28x over bf16 + compile on Llama-3 8B).
+``--sweep`` (CUDA) times the matmul alone, ``x @ w.T`` in bf16 against ``torch._scaled_mm``
+in float8 with tensorwise and rowwise scales, over square weights of several widths on 8192
+rows: where float8 can win before any cast is paid.
 
-    python benchmarks/fp8.py                # both models, eager and compiled, 2 rounds: ~10 minutes on 2 CPU cores
-    python benchmarks/fp8.py --quick        # both models, eager only, 1 round: ~1.5 minutes
+On a CPU (or a GPU before SM89) there is no float8 matmul: the callback has torchao emulate
+it, so float8 is slower there and the script says so.
+
+    python benchmarks/fp8.py                # CUDA: both models, 2 rounds, and the sweep
+    python benchmarks/fp8.py --smoke        # seconds: the mlp, eager, tiny, one round (what CI runs)
 """
 
 from __future__ import annotations
@@ -36,42 +45,86 @@ from typing import Any
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "llama"))
 
-from train import PARALLEL, GPTTrainer, demo_config, parse_args  # noqa: E402
+from modeling_llama import LlamaConfig, LlamaDecoderLayer, LlamaRotaryEmbedding  # noqa: E402
 
-from dream_trainer import DreamTrainer, LoggingParameters, TrainerConfig, TrainingParameters  # noqa: E402
+from dream_trainer import DeviceParameters, DreamTrainer, LoggingParameters, TrainerConfig, TrainingParameters  # noqa: E402
 from dream_trainer.callbacks.fp8 import float8_hardware  # noqa: E402
+from dream_trainer.callbacks.step_window import StepWindowCallback  # noqa: E402
 from dream_trainer.testing import spawn_world  # noqa: E402
 
-from common import StepTimes, machine, write_json  # noqa: E402  (benchmarks/common.py)
+from common import device_name, machine, spread, verdict, write_json  # noqa: E402  (benchmarks/common.py)
 
-VARIANTS = ("fp32", "bf16", "fp8-tensorwise", "fp8-rowwise")
+VARIANTS = ("bf16", "fp8-tensorwise", "fp8-rowwise")
+SHAPES = {  # model -> CUDA shape, CPU shape
+    "mlp": ({"width": 4096, "tokens": 8192}, {"width": 512, "tokens": 512}),
+    "llama": ({"hidden": 4096, "ffn": 14336, "heads": 32, "kv_heads": 8, "seq": 2048, "batch": 4, "layers": 2},
+              {"hidden": 256, "ffn": 768, "heads": 4, "kv_heads": 2, "seq": 128, "batch": 4, "layers": 2}),
+}
 
 
-class LinearHeavy(DreamTrainer):
-    """4 x Linear(width, width) with GELU on rows of `tokens` tokens: the shape of a
-    transformer's MLP work, nothing else."""
+HEAD = 16
+"""Both models end in a small ``Linear(width, 16)``: the output head, which the callback keeps in
+high precision (as it would a language model's), so every large linear before it converts."""
 
-    def __init__(self, config: TrainerConfig, width: int, tokens: int, steps: int):
+
+class LlamaBlocks(nn.Module):
+    """Decoder blocks on hidden states and a small head (no embedding, no vocabulary)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.rotary = LlamaRotaryEmbedding(config)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.head = nn.Linear(config.hidden_size, HEAD)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rotary(x, torch.arange(x.shape[1], device=x.device))
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.head(x)
+
+
+class Bench(DreamTrainer):
+    """One of the two models on batches made on the device; loss = mean square output."""
+
+    def __init__(self, config: TrainerConfig, model: str, shape: dict[str, int], steps: int):
         super().__init__(config)
-        self.width, self.tokens, self.steps = width, tokens, steps
+        self.kind, self.shape, self.steps = model, shape, steps
 
     def configure_models(self) -> None:
-        layers: list[nn.Module] = []
-        for _ in range(4):
-            layers += [nn.Linear(self.width, self.width), nn.GELU()]
-        self.model = nn.Sequential(*layers)
+        s = self.shape
+        if self.kind == "mlp":
+            layers: list[nn.Module] = []
+            for _ in range(4):
+                layers += [nn.Linear(s["width"], s["width"]), nn.GELU()]
+            self.model: nn.Module = nn.Sequential(*layers, nn.Linear(s["width"], HEAD))
+        else:
+            self.model = LlamaBlocks(LlamaConfig(
+                vocab_size=1, hidden_size=s["hidden"], intermediate_size=s["ffn"], num_hidden_layers=s["layers"],
+                num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], max_position_embeddings=s["seq"]))
+
+    def init_weights(self) -> None:
+        for module in self.model.modules():
+            if hasattr(module, "reset_parameters") and module is not self.model:
+                module.reset_parameters()
+        for module in self.model.modules():  # nn.Linear's own init, scaled down: stable squares
+            if isinstance(module, nn.Linear):
+                module.weight.mul_(0.5)
 
     def apply_compile(self) -> None:
-        self.compile_module(self.model)
+        for module in (self.model.layers if self.kind == "llama" else [self.model]):
+            self.compile_module(module)
 
     def configure_optimizers(self) -> None:
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5)  # fused on CUDA (the trainer's choice)
 
     def configure_dataloaders(self) -> tuple[Any, None]:
-        g = torch.Generator().manual_seed(0)
-        return [torch.randn(self.tokens, self.width, generator=g) for _ in range(self.steps)], None
+        s, device = self.shape, self.world.device
+        g = torch.Generator(device=device).manual_seed(0)
+        shape = (s["tokens"], s["width"]) if self.kind == "mlp" else (s["batch"], s["seq"], s["hidden"])
+        batches = [torch.randn(shape, generator=g, device=device) for _ in range(4)]  # on the device: no copy
+        return [batches[i % 4] for i in range(self.steps)], None
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         loss = self.model(batch).float().pow(2).mean()
@@ -80,7 +133,11 @@ class LinearHeavy(DreamTrainer):
         return {"loss": loss}
 
     def count_batch(self, batch: Any) -> tuple[int, int | None]:
-        return 1, int(batch.shape[0])  # one sample of `tokens` token rows
+        return 1, int(batch.shape[0] if self.kind == "mlp" else batch.shape[0] * batch.shape[1])
+
+
+def tokens_of(model: str, shape: dict[str, int]) -> int:
+    return shape["tokens"] if model == "mlp" else shape["batch"] * shape["seq"]
 
 
 def run(model: str, variant: str, compiled: bool, opts: dict[str, Any]) -> dict[str, Any]:
@@ -89,105 +146,169 @@ def run(model: str, variant: str, compiled: bool, opts: dict[str, Any]) -> dict[
 
     device = opts["device"]
     torch.set_num_threads(os.cpu_count() or 1)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = opts["cache"]
+    shape = opts["shapes"][model]
     with tempfile.TemporaryDirectory(prefix="fp8_") as root:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = root
-        params = PARALLEL["single"](device=device, compile_model=compiled,
-                                    autocast_dtype=None if variant == "fp32" else torch.bfloat16)
-        timer = StepTimes()
+        timer = StepWindowCallback(opts["warmup"], parts=opts["parts"])
         callbacks: list[Any] = [timer]
         if variant.startswith("fp8"):
             logging.getLogger("dream_trainer.callbacks.fp8").setLevel(logging.ERROR)  # the table says "EMULATED" once
             callbacks.append(Fp8QuantizationCallback(variant.split("-")[1], display=False))
         steps = opts["warmup"] + opts["steps"]
         config = TrainerConfig(
-            experiment="fp8", root_dir=root, seed=0, device_parameters=params,
+            experiment="fp8", root_dir=root, seed=0,
+            device_parameters=DeviceParameters.SINGLE_DEVICE(device=device, compile_model=compiled,
+                                                             autocast_dtype=torch.bfloat16),
             training_parameters=TrainingParameters(n_epochs=None, max_steps=steps, val_every_n_steps=None,
                                                    validate_at_epoch_end=False, num_sanity_val_steps=0),
             logging_parameters=LoggingParameters(log_every_n_steps=10**9, log_lr=False), callbacks=callbacks,
         )
-        if model == "gpt":
-            args = parse_args(["--steps", str(steps), "--batch-size", "16",
-                               "--n-chars", str(int((steps + 2) * (16 * 64 + 16) / 0.9))])
-            trainer: Any = GPTTrainer(demo_config(config, args))
-            tokens = 16 * 64
-        else:
-            trainer = LinearHeavy(config, width=opts["width"], tokens=opts["tokens"], steps=steps)
-            tokens = opts["tokens"]
+        trainer = Bench(config, model, shape, steps)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         trainer.fit()
-        median = statistics.median(timer.times[opts["warmup"]:])
         if device == "cuda":
             peak = torch.cuda.max_memory_allocated() / 2**20
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
         converted = len(callbacks[1].converted.get("model", [])) if len(callbacks) > 1 else 0
-        return {"tokens_per_s": tokens / median, "median_step_ms": median * 1e3, "peak_mb": peak,
-                "converted_linears": converted, "first_step_s": timer.times[0]}
+        assert timer.step_s is not None
+        return {"tokens_per_s": tokens_of(model, shape) / timer.step_s, "step_ms": timer.step_s * 1e3,
+                "part_step_s": timer.part_step_s, "peak_mb": peak,
+                "converted_linears": converted, "first_step_s": timer.first_step_s,
+                "fused_adamw": bool(trainer.optimizer.param_groups[0]["fused"])}
+
+
+def sweep(widths: list[int], rows: int, repeat: int = 20) -> list[dict[str, Any]]:
+    """bf16 ``x @ w.T`` against float8 ``torch._scaled_mm`` (tensorwise and rowwise scales),
+    the matmul alone (inputs already in float8), timed with CUDA events."""
+    out = []
+    for width in widths:
+        x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(width, width, device="cuda", dtype=torch.bfloat16)
+        x8, w8 = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+        one = torch.ones((), device="cuda")
+        row_a, row_b = torch.ones(rows, 1, device="cuda"), torch.ones(1, width, device="cuda")
+        fns = {"bf16": lambda: x @ w.t(),
+               "fp8-tensorwise": lambda: torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.bfloat16),
+               "fp8-rowwise": lambda: torch._scaled_mm(x8, w8.t(), row_a, row_b, out_dtype=torch.bfloat16)}
+        row: dict[str, Any] = {"rows": rows, "width": width}
+        for name, fn in fns.items():
+            try:
+                for _ in range(3):
+                    fn()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(repeat):
+                    fn()
+                end.record()
+                end.synchronize()
+                ms = start.elapsed_time(end) / repeat
+                row[name] = {"ms": ms, "tflops": 2 * rows * width * width / ms / 1e9}
+            except RuntimeError as exc:  # a recipe this torch/GPU does not have
+                row[name] = {"error": str(exc).splitlines()[0][:160]}
+        out.append(row)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=12, help="timed steps per run")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=5, help="steps before the window (compile, allocation)")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--width", type=int, default=None, help="the mlp model's width (default: 1024 on CUDA, 512 on CPU)")
-    p.add_argument("--tokens", type=int, default=None, help="the mlp model's token rows per step (as --width)")
-    p.add_argument("--no-compile", action="store_true", help="eager only")
-    p.add_argument("--quick", action="store_true", help="eager only, 1 round, 6 timed steps")
+    p.add_argument("--parts", type=int, default=3, help="the timed steps as this many windows (the spread within a run)")
+    p.add_argument("--models", default="mlp,llama", help=f"comma-separated, from {list(SHAPES)}")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS)}")
+    p.add_argument("--eager", action="store_true", help="also the eager runs")
+    p.add_argument("--no-compile", action="store_true", help="eager runs only")
+    p.add_argument("--sweep", default=None, help="CUDA: comma-separated widths of the matmul sweep "
+                   "(default 512,1024,2048,4096,8192 on CUDA; 'none' to skip)")
+    p.add_argument("--smoke", action="store_true", help="seconds: the mlp, eager, tiny, one round")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "fp8.json"))
     args = p.parse_args(argv)
-    if args.quick:
-        args.rounds, args.steps, args.no_compile = 1, 6, True
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = {m: dict(SHAPES[m][0 if device == "cuda" else 1]) for m in SHAPES}
+    if args.smoke:
+        args.models, args.rounds, args.steps, args.warmup, args.no_compile, args.sweep = "mlp", 1, 3, 1, True, "none"
+        args.parts = 1
+        shapes["mlp"] = {"width": 64, "tokens": 64}
+    models, variants = args.models.split(","), args.variants.split(",")
+    for name, given, allowed in (("--models", models, list(SHAPES)), ("--variants", variants, list(VARIANTS))):
+        bad = [x for x in given if x not in allowed]
+        if bad:
+            p.error(f"{name}: {bad} not in {allowed}")
     hardware = float8_hardware(device)  # the callback's own decision: native float8 matmuls, or emulated
-    native = hardware.native
-    default = 1024 if device == "cuda" else 512  # bf16 matmuls are slow on CPUs without bf16 units
-    args.width, args.tokens = args.width or default, args.tokens or default
-    opts = {"device": device, "steps": args.steps, "warmup": args.warmup, "width": args.width, "tokens": args.tokens}
-    modes = [False] if args.no_compile else [False, True]
-    keys = [(m, v, c) for m in ("gpt", "mlp") for c in modes for v in VARIANTS]
-    runs: dict[tuple[str, str, bool], list[dict[str, Any]]] = {k: [] for k in keys}
+    modes = [False] if args.no_compile else ([False, True] if args.eager else [True])
     start = time.perf_counter()
-    for r in range(args.rounds):
-        for key in keys[r % len(keys):] + keys[: r % len(keys)]:
-            model, variant, compiled = key
-            (out,) = spawn_world(1, run, model, variant, compiled, opts, timeout=1200)
-            runs[key].append(out)
-            print(f"  round {r + 1}/{args.rounds} {model} {variant:<15} {'compiled' if compiled else 'eager':<9}"
-                  f"{out['tokens_per_s']:>11,.0f} tokens/s {out['peak_mb']:>8,.0f} MiB", flush=True)
+    widths = [] if args.sweep == "none" or device != "cuda" else [int(w) for w in (args.sweep or "512,1024,2048,4096,8192").split(",")]
+    swept = sweep(widths, 8192) if widths else []  # first: seconds, and the ceiling the models can reach
+    if swept:
+        _print_sweep(swept)
+    with tempfile.TemporaryDirectory(prefix="fp8_inductor_") as cache:
+        opts = {"device": device, "steps": args.steps, "warmup": args.warmup, "parts": args.parts, "shapes": shapes,
+                "cache": cache}
+        keys = [(m, v, c) for m in models for c in modes for v in variants]
+        runs: dict[tuple[str, str, bool], list[dict[str, Any]]] = {k: [] for k in keys}
+        for r in range(args.rounds):
+            for key in keys[r % len(keys):] + keys[: r % len(keys)]:
+                model, variant, compiled = key
+                (out,) = spawn_world(1, run, model, variant, compiled, opts, timeout=1200)
+                runs[key].append(out)
+                print(f"  round {r + 1}/{args.rounds} {model} {variant:<15} {'compiled' if compiled else 'eager':<9}"
+                      f"{out['tokens_per_s']:>13,.0f} tokens/s {out['peak_mb']:>9,.0f} MiB", flush=True)
     wall = time.perf_counter() - start
-    print(f"\nfloat8 vs bf16 on {hardware.name} ({'native float8' if native else 'float8 EMULATED: no float8 matmul here'}), "
-          f"{args.steps} timed steps, {args.rounds} round(s); torch {torch.__version__}\n")
-    head = (f"{'model':<6}{'mode':<10}{'variant':<16}{'linears':>8}{'tokens/s':>11}{'vs bf16':>9}{'vs fp32':>9}"
-            f"{'ms/step':>9}{'peak MiB':>10}")
+    rows = _table(keys, runs, shapes, hardware, args)
+    if not hardware.native:
+        print("\n  No native float8 here: torchao emulates the float8 matmuls, so float8 costs time instead of\n"
+              "  saving it. This table measures the emulation's cost and checks that float8 training runs;\n"
+              "  the speedup needs an SM89+ GPU (H100/H200/Ada).")
+    result = {"rows": rows, "sweep": swept, "settings": vars(args), "shapes": shapes, "device": device,
+              "device_name": device_name(device), "native_float8": hardware.native, "wall_s": wall, "machine": machine()}
+    write_json(result, args.out)
+    print(f"({wall:.0f} s)")
+    return result
+
+
+def _table(keys: list[tuple[str, str, bool]], runs: dict[Any, list[dict[str, Any]]], shapes: dict[str, Any],
+           hardware: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    print(f"\nfloat8 vs bf16 on {hardware.name} ({'native float8' if hardware.native else 'float8 EMULATED'}), "
+          f"batches on the device, {'fused' if args.device == 'cuda' else 'foreach'} AdamW, {args.steps} timed steps after {args.warmup}, {args.rounds} round(s); "
+          f"torch {torch.__version__}\n")
+    head = (f"{'model':<6}{'mode':<10}{'variant':<16}{'linears':>8}{'tokens/s':>13}{'vs bf16':>9}{'spread':>8}"
+            f"{'ms/step':>9}{'peak MiB':>10}{'first s':>9}")
     print(head)
     print("-" * len(head))
     rows = []
     for model, variant, compiled in keys:
         xs = runs[(model, variant, compiled)]
-        bf16 = statistics.median(x["tokens_per_s"] for x in runs[(model, "bf16", compiled)])
-        fp32 = statistics.median(x["tokens_per_s"] for x in runs[(model, "fp32", compiled)])
+        bf16 = runs.get((model, "bf16", compiled))
+        ratios = [pb / px for x, b in zip(xs, bf16) for px, pb in zip(x["part_step_s"], b["part_step_s"])] if bf16 else []
         tps = statistics.median(x["tokens_per_s"] for x in xs)
-        row = {"model": model, "variant": variant, "compiled": compiled, "tokens_per_s": tps, "vs_bf16": tps / bf16,
-               "vs_fp32": tps / fp32,
-               "median_step_ms": statistics.median(x["median_step_ms"] for x in xs),
+        row = {"model": model, "shape": shapes[model], "variant": variant, "compiled": compiled, "tokens_per_s": tps,
+               "vs_bf16": statistics.median(ratios) if ratios else None, "vs_bf16_rounds": ratios,
+               "vs_bf16_spread": spread(ratios), "verdict": verdict(ratios) if variant != "bf16" else None,
+               "step_ms": statistics.median(x["step_ms"] for x in xs),
                "peak_mb": statistics.median(x["peak_mb"] for x in xs), "converted_linears": xs[0]["converted_linears"],
-               "runs": xs}
+               "first_step_s": xs[0]["first_step_s"], "runs": xs}
         rows.append(row)
-        print(f"{model:<6}{'compiled' if compiled else 'eager':<10}{variant:<16}{row['converted_linears']:>8}{tps:>11,.0f}"
-              f"{row['vs_bf16']:>9.2f}{row['vs_fp32']:>9.2f}{row['median_step_ms']:>9.1f}{row['peak_mb']:>10,.0f}")
-    if not native:
-        print("\n  No native float8 here: torchao emulates the float8 matmuls, so float8 costs time instead of\n"
-              "  saving it. This table measures the emulation's cost and checks that float8 training runs;\n"
-              "  the speedup needs an SM89+ GPU (H100/H200/Ada).")
-    print("  peak MiB: device memory on CUDA; the process's peak resident set on CPU (includes torch itself).")
-    result = {"rows": rows, "settings": vars(args), "device": device, "device_name": hardware.name,
-              "native_float8": native, "wall_s": wall,
-              "machine": machine()}
-    write_json(result, args.out)
-    print(f"({wall:.0f} s)")
-    return result
+        vs = f"{row['vs_bf16']:.2f}" if row["vs_bf16"] is not None else "-"
+        print(f"{model:<6}{'compiled' if compiled else 'eager':<10}{variant:<16}{row['converted_linears']:>8}{tps:>13,.0f}"
+              f"{vs:>9}{100 * row['vs_bf16_spread']:>7.0f}%{row['step_ms']:>9.2f}{row['peak_mb']:>10,.0f}"
+              f"{row['first_step_s']:>9.1f}")
+    print("\n  vs bf16: median over rounds and windows of (variant / bf16, same round and window); spread: (max - min)\n"
+          "  / median of those ratios. first s: the first step (compile). peak MiB: device memory on CUDA, the process's peak\n"
+          "  resident set on CPU.")
+    return rows
+
+
+def _print_sweep(swept: list[dict[str, Any]]) -> None:
+    print(f"\nthe matmul alone, {swept[0]['rows']} rows x width -> width (TFLOP/s; float8 inputs already cast):\n")
+    print(f"{'width':>7}{'bf16':>10}{'fp8 tensorwise':>16}{'fp8 rowwise':>13}{'tw/bf16':>9}{'rw/bf16':>9}")
+    for row in swept:
+        cells = [row[k].get("tflops") for k in ("bf16", "fp8-tensorwise", "fp8-rowwise")]
+        text = [f"{c:,.0f}" if c else "failed" for c in cells]
+        ratio = [f"{c / cells[0]:.2f}" if c and cells[0] else "-" for c in cells[1:]]
+        print(f"{row['width']:>7}{text[0]:>10}{text[1]:>16}{text[2]:>13}{ratio[0]:>9}{ratio[1]:>9}")
 
 
 if __name__ == "__main__":

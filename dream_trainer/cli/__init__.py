@@ -33,7 +33,7 @@ SUBCOMMANDS: dict[str, str] = {
     "resume": "resume RUN: continue the run RUN (a run directory or a run name) with its recorded config",
     "profile": "profile a few optimizer steps (ProfileCallback), then print the ops table and the trace's path",
     "find-graph-breaks": "compile, run one step, report every graph break of each compiled region",
-    "benchmark": "train a few steps eager, then compiled, and compare tokens/s",
+    "benchmark": "eager against compiled tokens/s, over interleaved rounds, with their spread",
     "summarize": "parameters and memory per rank for the planned mesh, FLOPs per token, the plan; no training",
     "export": "export CHECKPOINT: write a checkpoint's model as safetensors (one process, no collectives)",
 }
@@ -70,8 +70,9 @@ def _options(parser: argparse.ArgumentParser, name: str, presets: Mapping[str, M
     if name == "find-graph-breaks":
         add("--fullgraph", action="store_true", help="compile each region with fullgraph=True and report failures")
     if name == "benchmark":
-        add("--bench-steps", type=int, default=12, help="optimizer steps per variant (eager, compiled)")
-        add("--bench-warmup", type=int, default=4, help="of which left out of the throughput (compile, warm-up)")
+        add("--bench-steps", type=int, default=20, help="timed optimizer steps per run (one window)")
+        add("--bench-warmup", type=int, default=5, help="steps before the timed window in each run (compile, warm-up)")
+        add("--bench-rounds", type=int, default=3, help="rounds of (eager, compiled) runs, the order alternating")
     if name == "summarize":
         add("--world-size", type=int, default=None, help="plan for this many ranks (default: this launch's)")
         add("--local-world-size", type=int, default=None, help="ranks per node (default: the world size)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -108,38 +109,59 @@ def _graph_breaks(command: Command, make_trainer: Callable[[Any], Any]) -> Any:
 
 
 def _benchmark(command: Command, make_trainer: Callable[[Any], Any]) -> dict[str, Any]:
-    from dream_trainer.callbacks.performance import PerformanceReportCallback
+    """Eager against compiled, `--bench-rounds` rounds, the order alternating: each run trains
+    warm-up + timed steps and times the timed ones as one window (`StepWindowCallback`), so
+    tokens/s and the step time come from the same span. The speed-up is the median of the
+    rounds' compiled / eager; its spread over the rounds says whether it is conclusive."""
+    from dream_trainer.callbacks.step_window import StepWindowCallback, spread, verdict
 
-    steps, warm = command.options["bench_steps"], command.options["bench_warmup"]
-    if steps <= warm:
-        raise ValueError(f"benchmark: --bench-steps {steps} must exceed --bench-warmup {warm}")
-    results: dict[str, Any] = {}
+    opts = command.options
+    steps, warm, rounds = opts["bench_steps"], opts["bench_warmup"], opts["bench_rounds"]
+    for flag, value, lowest in (("--bench-steps", steps, 1), ("--bench-warmup", warm, 1), ("--bench-rounds", rounds, 1)):
+        if value < lowest:
+            raise ValueError(f"benchmark: {flag} {value} is invalid: expected an int >= {lowest}")
+    runs: dict[str, list[dict[str, Any]]] = {"eager": [], "compiled": []}
     trainer = None
-    for variant, compiled in (("eager", False), ("compiled", True)):
-        config = _with(command.config, device_parameters={"compile_model": compiled},
-                       training_parameters={"max_steps": steps, "n_epochs": None, **_NO_VALIDATION})
-        trainer = _build(command, make_trainer, config, keep_checkpoints=False, record=False)
-        report = PerformanceReportCallback(warmup_steps=warm)
-        trainer.callbacks.add(report)
-        trainer.fit()
-        throughput = (report.report or {}).get("throughput", {})
-        results[variant] = {"tokens_per_s": throughput.get("tokens_per_s"),
-                            "samples_per_s": throughput.get("samples_per_s"),
-                            "step_time_s": (report.report or {}).get("step_time_s", {}).get("median")}
-    eager, compiled = results["eager"], results["compiled"]
-    unit = "tokens_per_s" if eager["tokens_per_s"] else "samples_per_s"
-    results["speedup"] = compiled[unit] / eager[unit] if eager[unit] and compiled[unit] else None
-    results["steps"], results["warmup"], results["unit"] = steps, warm, unit
-    rows = [f"{'variant':<10} {unit:>16} {'median step (s)':>16}"]
-    rows += [f"{v:<10} {results[v][unit] or float('nan'):>16.1f} {results[v]['step_time_s'] or float('nan'):>16.4f}"
-             for v in ("eager", "compiled")]
-    rows.append(f"compiled / eager: {results['speedup']:.2f}x" if results["speedup"] else "compiled / eager: n/a")
+    for r in range(rounds):
+        for variant in (("eager", "compiled") if r % 2 == 0 else ("compiled", "eager")):
+            config = _with(command.config, device_parameters={"compile_model": variant == "compiled"},
+                           training_parameters={"max_steps": warm + steps, "n_epochs": None, **_NO_VALIDATION})
+            trainer = _build(command, make_trainer, config, keep_checkpoints=False, record=False)
+            window = StepWindowCallback(warmup=warm)
+            trainer.callbacks.add(window)
+            trainer.fit()
+            runs[variant].append(window.result())
     assert trainer is not None
+    unit = "tokens_per_s" if runs["eager"][0]["tokens_per_s"] else "samples_per_s"
+    ratios = [c[unit] / e[unit] for e, c in zip(runs["eager"], runs["compiled"])]
+    results: dict[str, Any] = {v: _summary_of(runs[v], unit) for v in runs}
+    results.update(speedup=statistics.median(ratios), speedup_rounds=ratios, spread=spread(ratios),
+                   verdict=verdict(ratios), steps=steps, warmup=warm, rounds=rounds, unit=unit,
+                   device=str(trainer.world.device), world_size=trainer.world.world_size)
     if trainer.world.is_rank_zero:
         out = trainer.run_dir / "benchmark.json"
         out.write_text(json.dumps(results, indent=1))
-        print("\n".join(rows) + f"\nwritten: {out}", flush=True)
+        print(_benchmark_table(results) + f"\nwritten: {out}", flush=True)
     return results
+
+
+def _summary_of(runs: list[dict[str, Any]], unit: str) -> dict[str, Any]:
+    return {unit: statistics.median(r[unit] for r in runs), "step_time_s": statistics.median(r["step_s"] for r in runs),
+            "first_step_s": runs[0]["first_step_s"], "rounds": runs}
+
+
+def _benchmark_table(r: dict[str, Any]) -> str:
+    unit = r["unit"]
+    rows = [f"{r['rounds']} round(s) of {r['steps']} timed steps after {r['warmup']} on {r['device']} "
+            f"({r['world_size']} rank(s)); medians over rounds:",
+            f"{'variant':<10} {unit:>16} {'ms/step':>9} {'first step s':>13}"]
+    rows += [f"{v:<10} {r[v][unit]:>16,.1f} {1e3 * r[v]['step_time_s']:>9.2f} {r[v]['first_step_s']:>13.2f}"
+             for v in ("eager", "compiled")]
+    per_round = " ".join(f"{x:.2f}" for x in r["speedup_rounds"])
+    rows.append(f"compiled / eager: {r['speedup']:.2f}x (rounds: {per_round}; spread {100 * r['spread']:.0f} %)")
+    if r["verdict"] != "ok":
+        rows.append(f"not conclusive: {r['verdict']} (more --bench-steps or --bench-rounds, a quieter machine)")
+    return "\n".join(rows)
 
 
 def _summarize(command: Command, make_trainer: Callable[[Any], Any]) -> dict[str, Any]:

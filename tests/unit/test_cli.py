@@ -115,7 +115,7 @@ def test_aliases_and_subcommand_options(capsys):
     assert (cmd.name, cmd.target) == ("export", "ckpt/step_1")
     assert cmd.options == {"output": None, "model": "model", "dtype": "bfloat16", "trainable_only": True}
     cmd = parse(MyConfig(), ["benchmark", "--bench-steps", "6"])
-    assert cmd.options == {"bench_steps": 6, "bench_warmup": 4}
+    assert cmd.options == {"bench_steps": 6, "bench_warmup": 5, "bench_rounds": 3}
     cmd = parse(MyConfig(), ["train", "--init-from", "ckpt/step_1"])
     assert cmd.init_from == "ckpt/step_1"
     with pytest.raises(SystemExit):
