@@ -28,6 +28,7 @@ thread or another process holds a core (4 MB copies went from 0.4 to 8 ms).
 
     python benchmarks/checkpoint.py            # ~2 minutes
     python benchmarks/checkpoint.py --quick    # ~20 s
+    python benchmarks/checkpoint.py --smoke    # seconds: a tiny model, 2 saves x 1 round per mode (what CI runs)
 """
 
 from __future__ import annotations
@@ -194,9 +195,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (see above)")
     p.add_argument("--tmp", default=tempfile.gettempdir(), help="where the temporary checkpoint directory goes")
     p.add_argument("--quick", action="store_true", help="4 layers (~50 MB), 3 saves x 2 rounds")
+    p.add_argument("--smoke", action="store_true", help="seconds: 2 x Linear(128, 128), 2 saves 2 steps apart, 1 round")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "checkpoint.json"))
-    if "--quick" in (sys.argv[1:] if argv is None else argv):
+    given = sys.argv[1:] if argv is None else argv
+    if "--quick" in given:
         p.set_defaults(depth=4, saves=3, rounds=2)  # explicit flags still win
+    if "--smoke" in given:
+        p.set_defaults(depth=2, width=128, batch_size=8, saves=2, every=2, rounds=1)
     args = p.parse_args(argv)
     if args.every < 2 or args.saves < 2:
         p.error("--every and --saves must be >= 2")
@@ -256,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("  async_pinned without CUDA: the staging buffers are reused across saves, not pinned.")
     leftover = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     print(f"  wall {wall:.0f} s; threads left: {leftover or 'none'}")
-    result.update(settings=vars(args), state_mb=mb, **machine(), disk_path=str(tmp), devices=devices,
+    result.update(settings=vars(args), state_mb=mb, machine=machine(), disk_path=str(tmp), devices=devices,
                   loadavg_before=load, loadavg_after=os.getloadavg()[0], wall_s=wall, leftover_threads=leftover,
                   target=TARGET)
     write_json(result, args.out)

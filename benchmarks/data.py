@@ -11,6 +11,8 @@
 
     python benchmarks/data.py            # ~1.5 minutes on 2 CPU cores
     python benchmarks/data.py --quick    # ~30 s
+    python benchmarks/data.py --smoke    # seconds: a 1M-token file, 0.05 s per measurement, 8 steps of a
+                                         # small demo (what CI runs)
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from dream_trainer.data import TokenDataset, TokenLoader, write_tokens  # noqa: 
 from common import machine, write_json  # noqa: E402  (benchmarks/common.py)
 
 GOAL = 0.01
+# --smoke: the demo shrunk to seconds (a small model and corpus, one validation batch); the
+# loader's path is the same
+SMOKE_DEMO = ["--n-layer", "2", "--d-model", "64", "--block-size", "32", "--n-chars", "20000", "--val-batches", "1"]
 SHAPES = [(64, 32), (1024, 8), (4096, 4)]  # (seq_len, micro-batch): the demo's, then longer contexts
 
 
@@ -79,10 +84,11 @@ class DataWaits(Callback[Any]):
             self.steps.append((stats.data_wait_s, stats.step_time_s))
 
 
-def demo(steps: int, root: str) -> dict[str, Any]:
+def demo(steps: int, root: str, extra: list[str] | None = None) -> dict[str, Any]:
+    """The demo with its defaults (and `extra` flags) for `steps` steps: what it waits for its data."""
     waits = DataWaits()
-    trainer = demo_main(["--steps", str(steps), "--root-dir", root, "--run-name", "bench", "--checkpoint-every", "None"],
-                        callbacks=[waits])
+    trainer = demo_main(["--steps", str(steps), "--root-dir", root, "--run-name", "bench", "--checkpoint-every", "None",
+                         *(extra or [])], callbacks=[waits])
     timed = waits.steps[5:]  # the first steps include building the iterator and warm-up
     wait, total = sum(w for w, _ in timed), sum(t for _, t in timed)
     tokens = trainer.config.training_parameters.global_batch_size * trainer.config.model.block_size
@@ -98,10 +104,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--seconds", type=float, default=3.0, help="time per loader measurement")
     p.add_argument("--steps", type=int, default=250, help="demo steps (its default)")
     p.add_argument("--quick", action="store_true", help="a 5M-token file, 1 s per measurement, 60 demo steps")
+    p.add_argument("--smoke", action="store_true",
+                   help="seconds: a 1M-token file, 0.05 s per measurement, 8 steps of a small demo")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "data.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.tokens, args.seconds, args.steps = 5_000_000, 1.0, 60
+    if args.smoke:
+        args.tokens, args.seconds, args.steps = 1_000_000, 0.05, 8
     torch.set_num_threads(1)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dream_data_") as root:
@@ -109,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         path = write_tokens(Path(root) / "bench.tokens", (rng.integers(0, 50_000, size=1_000_000)
                                                           for _ in range(max(1, args.tokens // 1_000_000))))
         rows = loader_alone(path, args.seconds)
-        run = demo(args.steps, root)
+        run = demo(args.steps, root, SMOKE_DEMO if args.smoke else None)
     demo_shape = rows[0]
     result = {"loader": rows, "demo": run, "goal_data_wait_share": GOAL,
               "goal_met": run["data_wait_share"] < GOAL,
@@ -121,7 +131,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in rows:
         print(f"{str(r['seq_len']) + ' x ' + str(r['micro_batch']):<18}{r['token_loader_tok_s']:>20,.0f}"
               f"{r['dataloader_tok_s']:>20,.0f}{r['token_loader_tok_s'] / r['dataloader_tok_s']:>7.1f}x")
-    print(f"\nthe demo with its defaults ({run['tokens_per_step']} tokens/step), {run['steps_timed']} steps timed:")
+    shape = f"shrunk: {' '.join(SMOKE_DEMO)}" if args.smoke else "with its defaults"
+    print(f"\nthe demo {shape} ({run['tokens_per_step']} tokens/step), {run['steps_timed']} steps timed:")
     print(f"  step {run['step_ms_median']:.1f} ms (median), data wait {run['data_wait_ms_median']:.3f} ms (median); "
           f"data wait share {100 * run['data_wait_share']:.3f} % (goal < {100 * GOAL:.0f} %: "
           f"{'met' if result['goal_met'] else 'NOT met'})")

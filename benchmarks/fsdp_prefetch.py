@@ -10,7 +10,9 @@ all-gathers are CPU work competing with the compute, so overlap has little to wi
 the numbers show the cost or gain honestly; on GPUs the collectives run on their own stream.
 
     python benchmarks/fsdp_prefetch.py            # ~3 minutes on 2 CPU cores
-    python benchmarks/fsdp_prefetch.py --quick    # ~40 s smoke run
+    python benchmarks/fsdp_prefetch.py --quick    # ~40 s
+    python benchmarks/fsdp_prefetch.py --smoke    # seconds: a 2-block d_model 32 GPT, 2 timed steps, the
+                                                  # variants one after the other in one world (what CI runs)
 """
 
 from __future__ import annotations
@@ -54,8 +56,9 @@ def run_rank(options: dict[str, Any] | None, opts: dict[str, Any], device: str, 
     callbacks: list[Callback[Any]] = [timer] + ([OptimizeFSDPCallback(**options)] if options else [])
     config = TrainerConfig(
         experiment="prefetch", root_dir=root, seed=0, device_parameters=PARALLEL["fsdp"](device=device),
-        training_parameters=TrainingParameters(n_epochs=None, max_steps=steps, val_every_n_steps=None,
-                                               validate_at_epoch_end=False, num_sanity_val_steps=0),
+        training_parameters=TrainingParameters(n_epochs=None, max_steps=steps, global_batch_size=opts["batch_size"],
+                                               val_every_n_steps=None, validate_at_epoch_end=False,
+                                               num_sanity_val_steps=0),
         logging_parameters=LoggingParameters(log_every_n_steps=10**9, log_lr=False),
         callbacks=callbacks,
     )
@@ -63,6 +66,13 @@ def run_rank(options: dict[str, Any] | None, opts: dict[str, Any], device: str, 
     trainer.fit()
     timed = timer.times[opts["warmup"]:]
     return {"median_step_s": statistics.median(timed)}
+
+
+def run_ranks(variants: list[dict[str, Any] | None], opts: dict[str, Any], device: str,
+              root: str) -> list[dict[str, Any]]:
+    """--smoke: `run_rank` for each variant in turn, in one world (one start of the 2 processes,
+    not one per variant: the start is most of a smoke run's time)."""
+    return [run_rank(options, opts, device, root) for options in variants]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -74,10 +84,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--n-layer", type=int, default=6)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--quick", action="store_true", help="1 round, 8 timed steps")
+    p.add_argument("--smoke", action="store_true", help="seconds: 1 round, 2 timed steps of a 2-block d_model 32 GPT, "
+                   "every variant in the same 2 processes")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "fsdp_prefetch.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.warmup = 1, 8, 2
+    if args.smoke:
+        args.rounds, args.steps, args.warmup, args.batch_size, args.n_layer, args.d_model = 1, 2, 1, 4, 2, 32
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = "cuda" if gpus >= 2 else "cpu"
     opts = {k: getattr(args, k) for k in ("steps", "warmup", "batch_size", "n_layer", "d_model")}
@@ -87,8 +101,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dream_prefetch_") as root:
         for r in range(args.rounds):
-            for name in names[r % len(names):] + names[: r % len(names)]:
-                out, _ = spawn_world(2, run_rank, VARIANTS[name], opts, device, root, timeout=600)
+            order = names[r % len(names):] + names[: r % len(names)]
+            if args.smoke:
+                outs = iter(spawn_world(2, run_ranks, [VARIANTS[n] for n in order], opts, device, root, timeout=600)[0])
+            else:  # every run in 2 fresh processes
+                outs = (spawn_world(2, run_rank, VARIANTS[n], opts, device, root, timeout=600)[0] for n in order)
+            for name, out in zip(order, outs):
                 runs[name].append(out)
                 print(f"  round {r + 1}/{args.rounds} {name:<22} {out['median_step_s'] * 1e3:8.1f} ms/step", flush=True)
     wall = time.perf_counter() - start

@@ -8,6 +8,7 @@ overhead is the median over pairs of adjacent epochs of (with / without) - 1. Ta
 
     python benchmarks/health.py            # ~3 minutes on 2 CPU cores
     python benchmarks/health.py --quick    # ~40 s
+    python benchmarks/health.py --smoke    # seconds: 1 pair of 3-step epochs (what CI runs)
 """
 
 from __future__ import annotations
@@ -72,10 +73,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--warmup", type=int, default=2, help="untimed leading epochs")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="2 pairs of 10-step epochs")
+    p.add_argument("--smoke", action="store_true", help="seconds: 1 pair of 3-step epochs after 1 warm-up epoch")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "health.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.pairs, args.steps = 2, 10
+    if args.smoke:
+        args.pairs, args.steps, args.warmup = 1, 3, 1
     torch.set_num_threads(args.threads)
     epochs = args.warmup + 2 * args.pairs
     batch, block = 16, 64
@@ -87,8 +91,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         config = TrainerConfig(
             experiment="health", root_dir=root, seed=0, device_parameters=PARALLEL["single"](),
             training_parameters=TrainingParameters(n_epochs=epochs, train_steps_per_epoch=args.steps,
-                                                   val_every_n_steps=None, validate_at_epoch_end=False,
-                                                   num_sanity_val_steps=0),
+                                                   global_batch_size=batch, val_every_n_steps=None,
+                                                   validate_at_epoch_end=False, num_sanity_val_steps=0),
             logging_parameters=LoggingParameters(log_every_n_steps=50), callbacks=[switch],
         )
         GPTTrainer(demo_config(config, demo)).fit()

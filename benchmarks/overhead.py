@@ -27,7 +27,8 @@ A separate check trains a fresh raw model and a fresh trainer for one epoch from
 init and compares the parameters bit for bit.
 
     python benchmarks/overhead.py            # ~2 minutes
-    python benchmarks/overhead.py --quick    # ~15 s smoke run
+    python benchmarks/overhead.py --quick    # ~15 s
+    python benchmarks/overhead.py --smoke    # seconds: 1 round of 4-step epochs, a 2-layer MLP 64 wide (what CI runs)
 """
 
 from __future__ import annotations
@@ -193,7 +194,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--callbacks", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--log-every", type=int, default=10, help="the trainer's log_every_n_steps")
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--quick", action="store_true", help="8 rounds, 2 warm-up epochs")
+    p.add_argument("--smoke", action="store_true", help="seconds: 1 round of 4-step epochs, a 2-layer MLP 64 wide")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "overhead.json"))
     args = p.parse_args(argv)
     # This measures the monitors' cost, not their findings: on this model's noisy random
@@ -201,6 +203,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.getLogger("dream_trainer.callbacks.monitors").setLevel(logging.ERROR)
     if args.quick:
         args.rounds, args.warmup = 8, 2
+    if args.smoke:  # 4 steps: the profiler's window (2 steps) fits in the first epoch
+        args.rounds, args.warmup, args.steps, args.width, args.depth = 1, 2, 4, 64, 2
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     init = {k: v.clone() for k, v in build_model(args.width, args.depth).state_dict().items()}
@@ -277,7 +281,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("  An epoch-timing callback overrides only pre/post_train_epoch (no per-step cost).")
     print("  * PyTorch Lightning on this kind of model, quoted from the issue (not measured here).")
     print(f"  correctness: raw loop and trainer end one epoch with identical parameters: {identical}")
-    result.update(settings=vars(args), **machine(), wall_s=wall, schedule=schedule, parameters_identical=identical)
+    result.update(settings=vars(args), machine=machine(), wall_s=wall, schedule=schedule,
+                  parameters_identical=identical)
     write_json(result, args.out)
     return result
 

@@ -33,7 +33,9 @@ twice one 1-thread rank (2.0 would be perfect data parallelism on independent co
 script also runs single / ddp / fsdp on min(2, device_count) GPUs over nccl.
 
     python benchmarks/parallel.py            # ~2.5 minutes on an idle machine (longer on a busy one)
-    python benchmarks/parallel.py --quick    # ~30 s smoke run: 1 round, 10 steps, no waiting
+    python benchmarks/parallel.py --quick    # ~30 s: 1 round, 10 steps, no waiting
+    python benchmarks/parallel.py --smoke    # seconds: a 1-block GPT, 2 steps; the runs of one world
+                                             # size one after the other in the same processes (what CI runs)
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
 
-from data import make_datasets  # noqa: E402
+from data import ByteTokenizer, prepare_token_files  # noqa: E402
 from model import GPT, GPTConfig, lm_loss  # noqa: E402
 from train import PARALLEL, GPTTrainer, demo_config, parse_args  # noqa: E402
 
@@ -121,8 +123,8 @@ def run_rank(layout: str, threads: int | None, device: str, opts: dict[str, Any]
     config = TrainerConfig(
         experiment="parallel", root_dir=root, seed=0, device_parameters=PARALLEL[layout](device=device),
         training_parameters=TrainingParameters(
-            n_epochs=None, max_steps=warmup + steps, val_every_n_steps=None, validate_at_epoch_end=False,
-            num_sanity_val_steps=0, gradient_clip_val=1.0,
+            n_epochs=None, max_steps=warmup + steps, global_batch_size=opts["batch_size"], val_every_n_steps=None,
+            validate_at_epoch_end=False, num_sanity_val_steps=0, gradient_clip_val=1.0,
         ),
         logging_parameters=LoggingParameters(log_every_n_steps=10**9, log_lr=False),
         callbacks=[timer],  # no ProgressBarCallback, no LoggerCallback
@@ -137,15 +139,18 @@ def run_rank(layout: str, threads: int | None, device: str, opts: dict[str, Any]
     }
 
 
-def run_hand_ddp(threads: int | None, device: str, opts: dict[str, Any]) -> dict[str, Any]:
+def run_hand_ddp(threads: int | None, device: str, opts: dict[str, Any], root: str) -> dict[str, Any]:
     """One rank of the hand-written reference: what a user writes without a framework for
-    the demo's DDP run (same model init, data order, AdamW groups, warmup + cosine, clipping)."""
+    the demo's DDP run (same model init, byte-level token files, AdamW groups, warmup + cosine,
+    clipping), the samples read through a plain DataLoader with a DistributedSampler."""
     import math
 
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
+
+    from dream_trainer.data import TokenDataset  # the token file's samples as a map-style dataset
 
     if threads is not None:
         torch.set_num_threads(threads)
@@ -155,9 +160,11 @@ def run_hand_ddp(threads: int | None, device: str, opts: dict[str, Any]) -> dict
         torch.cuda.set_device(dev)
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    train_set, _, tokenizer = make_datasets(n_chars=opts["n_chars"], block_size=opts["block_size"], seed=0)
+    # the demo's corpus and token files (where the trainer makes them: <root>/data)
+    train_file, _ = prepare_token_files(Path(root) / "data", n_chars=opts["n_chars"])
+    train_set = TokenDataset(train_file, opts["block_size"])
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, block_size=opts["block_size"], n_layer=opts["n_layer"],
+    model = GPT(GPTConfig(vocab_size=ByteTokenizer.vocab_size, block_size=opts["block_size"], n_layer=opts["n_layer"],
                           n_head=opts["n_head"], d_model=opts["d_model"])).to(dev)
     model.init_weights()
     ddp = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
@@ -197,21 +204,47 @@ def run_hand_ddp(threads: int | None, device: str, opts: dict[str, Any]) -> dict
             "mesh": "hand-written DistributedDataParallel"}
 
 
+def run_spec(spec: tuple[str, int, int | None, str], opts: dict[str, Any], root: str) -> dict[str, Any]:
+    """One rank of one run of a layout (module level: spawn_world pickles it)."""
+    layout, _, threads, device = spec
+    if layout == "hand_ddp":
+        return run_hand_ddp(threads, device, opts, root)
+    return run_rank(layout, threads, device, opts, root)
+
+
+def run_specs(specs: list[tuple[str, int, int | None, str]], opts: dict[str, Any], root: str) -> list[dict[str, Any]]:
+    """--smoke: one rank of several runs (of the same world size), one after the other in the
+    same processes: one start of the processes instead of one per run."""
+    return [run_spec(spec, opts, root) for spec in specs]
+
+
 def measure(spec: tuple[str, int, int | None, str], opts: dict[str, Any], root: str,
             tokens_per_step: int) -> dict[str, Any]:
     """One run of one layout in fresh processes; rank 0's timing plus every rank's CPU use."""
-    layout, ranks, threads, device = spec
     t = time.perf_counter()
-    if layout == "hand_ddp":
-        per_rank = spawn_world(ranks, run_hand_ddp, threads, device, opts, timeout=600.0)
-    else:
-        per_rank = spawn_world(ranks, run_rank, layout, threads, device, opts, root, timeout=600.0)
+    per_rank = spawn_world(spec[1], run_spec, spec, opts, root, timeout=600.0)
+    return summarize(per_rank, opts, tokens_per_step, time.perf_counter() - t)
+
+
+def measure_together(specs: list[tuple[str, int, int | None, str]], opts: dict[str, Any], root: str,
+                     tokens_per_step: int) -> list[dict[str, Any]]:
+    """--smoke: runs of the same world size one after the other in the same processes
+    (`process_s` is then the whole world's)."""
+    t = time.perf_counter()
+    per_rank = spawn_world(specs[0][1], run_specs, specs, opts, root, timeout=600.0)
+    process_s = time.perf_counter() - t
+    return [summarize([rank[i] for rank in per_rank], opts, tokens_per_step, process_s) for i in range(len(specs))]
+
+
+def summarize(per_rank: list[dict[str, Any]], opts: dict[str, Any], tokens_per_step: int,
+              process_s: float) -> dict[str, Any]:
+    """One run: rank 0's timing plus every rank's CPU use."""
     run = per_rank[0]
     # other processes' CPU: the machine's busy time over rank 0's window minus every rank's own
     other = run["machine_busy_cpu_seconds"] - sum(x["cpu_seconds"] for x in per_rank)
     run.update(
         tokens_per_s=tokens_per_step * opts["steps"] / run["seconds"], ms_per_step=run["seconds"] / opts["steps"] * 1e3,
-        process_s=time.perf_counter() - t, cpu_util=[x["cpu_seconds"] / x["seconds"] for x in per_rank],
+        process_s=process_s, cpu_util=[x["cpu_seconds"] / x["seconds"] for x in per_rank],
         other_cpu=max(0.0, other / run["seconds"]),
     )
     return run
@@ -231,10 +264,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--retries", type=int, default=1, help="reruns of a run that shared the machine")
     p.add_argument("--patience", type=float, default=30.0, help="max seconds to wait for a quiet machine per run")
     p.add_argument("--quick", action="store_true", help="1 round x 10 steps, no waiting or reruns")
+    p.add_argument("--smoke", action="store_true", help="seconds: 1 round x 2 steps of a 1-block GPT, no waiting or "
+                   "reruns; the runs of one world size in the same processes")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "parallel.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.repeats, args.steps, args.warmup, args.retries, args.patience = 1, 10, 3, 0, 0.0
+    if args.smoke:
+        args.repeats, args.steps, args.warmup, args.retries, args.patience = 1, 2, 1, 0, 0.0
+        args.batch_size, args.block_size, args.n_layer, args.n_head, args.d_model = 4, 32, 1, 2, 32
     tokens_per_step = args.batch_size * args.block_size
     if args.n_chars is None:  # one epoch covers every step (10% of the corpus is the val split)
         args.n_chars = int((args.warmup + args.steps + 2) * (tokens_per_step + args.batch_size) / 0.9)
@@ -259,6 +297,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="dream_parallel_") as root:
         for r in range(args.repeats):
             order = names[r % len(names):] + names[: r % len(names)]  # rotate which goes first
+            if args.smoke:
+                for ranks in sorted({layouts[name][1] for name in order}):
+                    group = [name for name in order if layouts[name][1] == ranks]
+                    for name, run in zip(group, measure_together([layouts[n] for n in group], opts, root,
+                                                                 tokens_per_step)):
+                        run["attempts"] = 1
+                        runs[name].append(run)
+                        print(f"  round {r + 1}/{args.repeats} {name:<12} {run['tokens_per_s']:>9,.0f} tokens/s "
+                              f"({run['ms_per_step']:.1f} ms/step)", flush=True)
+                continue
             for name in order:
                 for attempt in range(1 + args.retries):
                     waited = wait_quiet(args.max_other, args.patience)

@@ -25,7 +25,9 @@ does: tokens/s compare the two layouts' overheads (bubble and point-to-point tra
 the pipeline; the gradient all-reduce for DDP), not scaling.
 
     python benchmarks/pipeline.py            # ~3 minutes on an idle 2-core machine
-    python benchmarks/pipeline.py --quick    # ~1 minute smoke run
+    python benchmarks/pipeline.py --quick    # ~1 minute
+    python benchmarks/pipeline.py --smoke    # seconds: a 4-block d_model 32 GPT, 2 micro-batches, 2 steps, every
+                                             # row one after the other in the same 2 processes (what CI runs)
 """
 
 from __future__ import annotations
@@ -60,9 +62,17 @@ class _Clock:
     def __init__(self) -> None:
         self.compute = self.schedule = 0.0
         self.actions = 0
+        self._wrapped: list[tuple[type, str, Any]] = []  # (owner, name, the original), to restore
+
+    def restore(self) -> None:
+        """Put the original methods back (the next run in this process wraps them afresh)."""
+        for owner, name, original in reversed(self._wrapped):
+            setattr(owner, name, original)
+        self._wrapped.clear()
 
     def wrap(self, owner: type, name: str, field: str) -> None:
         original = getattr(owner, name)
+        self._wrapped.append((owner, name, original))
         clock = self
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -120,7 +130,10 @@ def run_rank(layout: str, schedule: str | None, microbatches: int | None, opts: 
         callbacks=[timer],
     )
     trainer = GPTTrainer(demo_config(config, args))
-    trainer.fit()
+    try:
+        trainer.fit()
+    finally:
+        clock.restore()
     (t0, _, _), (t1, _, _) = timer.marks
     out: dict[str, Any] = {"seconds": t1 - t0}
     if schedule is not None:
@@ -130,8 +143,21 @@ def run_rank(layout: str, schedule: str | None, microbatches: int | None, opts: 
     return out
 
 
+def run_rows(rows: list[tuple[str, str | None, int | None]], opts: dict[str, Any], root: str) -> list[dict]:
+    """--smoke: one rank of several rows, one after the other in the same processes (one start of
+    the 2 processes instead of one per row)."""
+    return [run_rank(*row, opts, root) for row in rows]
+
+
 def measure(layout: str, schedule: str | None, microbatches: int | None, opts: dict[str, Any], root: str) -> dict:
+    """One run of one row in 2 fresh processes."""
     ranks = spawn_world(2, run_rank, layout, schedule, microbatches, opts, root, timeout=600.0)
+    return summarize(ranks, schedule, microbatches, opts)
+
+
+def summarize(ranks: list[dict[str, Any]], schedule: str | None, microbatches: int | None,
+              opts: dict[str, Any]) -> dict:
+    """One run from its ranks' timings: tokens/s, ms/step and (pipelined) the measured bubble."""
     tokens = opts["batch_size"] * opts["block_size"] * opts["steps"]
     run = {"tokens_per_s": tokens / ranks[0]["seconds"], "ms_per_step": ranks[0]["seconds"] / opts["steps"] * 1e3}
     if schedule is not None:
@@ -153,10 +179,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for flag, default in (("--block-size", 64), ("--n-layer", 8), ("--n-head", 4), ("--d-model", 128)):
         p.add_argument(flag, type=int, default=default, help="the demo's model/data setting")
     p.add_argument("--quick", action="store_true", help="1 round x 4 steps, 4 micro-batches")
+    p.add_argument("--smoke", action="store_true", help="seconds: 1 round x 2 steps of a 4-block d_model 32 GPT, "
+                   "2 micro-batches, every row in the same 2 processes")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "pipeline.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.repeats, args.steps, args.warmup, args.microbatches = 1, 4, 2, [4]
+    if args.smoke:
+        args.repeats, args.steps, args.warmup, args.microbatches = 1, 2, 1, [2]
+        args.batch_size, args.block_size, args.n_layer, args.n_head, args.d_model = 4, 32, 4, 2, 32
     tokens_per_step = args.batch_size * args.block_size
     n_chars = int((args.warmup + args.steps + 2) * (tokens_per_step + args.batch_size) / 0.9)
     opts = {"warmup": args.warmup, "steps": args.steps, "batch_size": args.batch_size, "block_size": args.block_size,
@@ -169,8 +200,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="dream_pipeline_") as root:
         for r in range(args.repeats):
             names = list(rows)
-            for name in names[r % len(names):] + names[: r % len(names)]:  # rotate which goes first
-                run = measure(*rows[name], opts, root)
+            order = names[r % len(names):] + names[: r % len(names)]  # rotate which goes first
+            if args.smoke:
+                ranks = spawn_world(2, run_rows, [rows[n] for n in order], opts, root, timeout=600.0)
+                done = iter([summarize([rank[i] for rank in ranks], *rows[n][1:], opts) for i, n in enumerate(order)])
+            else:  # every run in 2 fresh processes
+                done = (measure(*rows[n], opts, root) for n in order)
+            for name, run in zip(order, done):
                 runs[name].append(run)
                 bubble = f", bubble {run['bubble']:.1%}" if "bubble" in run else ""
                 print(f"  round {r + 1}/{args.repeats} {name:<28} {run['tokens_per_s']:>8,.0f} tokens/s{bubble}",

@@ -1,0 +1,82 @@
+"""Every benchmark in benchmarks/ runs end to end in its smoke mode, so none can rot unseen.
+
+Each script is run as CI would: ``python benchmarks/<name>.py --smoke --out <tmp>/<name>.json``
+in a fresh process (CUDA hidden and one intra-op thread: the environment tests/conftest.py
+sets). It must exit 0 and write its JSON: where it ran (``machine``) and numbers that show it
+measured something (`EXPECTED`: the script's own result fields, each a positive number).
+
+The scripts are found in the folder: a new benchmark without a ``--smoke`` mode, or without
+an entry in `EXPECTED`, fails here. A smoke run takes seconds to tens of seconds (most of it
+starting Python and torch, in the script and in the ranks it spawns); nothing here depends on
+how long it takes, within `TIMEOUT`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
+NOT_BENCHMARKS = {"common.py"}  # the scripts' shared helpers
+SCRIPTS = sorted(path.stem for path in BENCHMARKS.glob("*.py") if path.name not in NOT_BENCHMARKS)
+TIMEOUT = 240  # seconds per script: the slowest smoke runs (compile, fp8) take ~45 s on 2 busy cores
+
+# script -> the numbers its JSON must hold (each > 0): proof that it measured, not only ran
+EXPECTED: dict[str, Callable[[dict[str, Any]], list[float]]] = {
+    "checkpoint": lambda r: [mode["blocked"] for mode in r["modes"].values()],
+    "compile": lambda r: [row["tokens_per_s"] for row in r["rows"]],
+    "data": lambda r: [row["token_loader_tok_s"] for row in r["loader"]] + [r["demo"]["demo_tok_s"]],
+    "fp8": lambda r: [row["tokens_per_s"] for row in r["rows"]],
+    "fsdp_prefetch": lambda r: [row["tokens_per_s"] for row in r["rows"].values()],
+    "ft_recovery": lambda r: [s for row in r["rows"] for s in (*row["ddp_step_s"], *row["ft_step_s"])],
+    "health": lambda r: [r["ms_per_step_without"], r["ms_per_step_with"]],
+    "overhead": lambda r: [variant["median_step_us"] for variant in r["variants"].values()],
+    "parallel": lambda r: [layout["tokens_per_s_median"] for layout in r["layouts"].values()],
+    "pipeline": lambda r: [row["tokens_per_s_median"] for row in r["rows"].values()],
+    "step_path": lambda r: [row["tokens_per_s"] for row in r["rows"]],
+}
+
+
+def _machine(result: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``machine`` record (`benchmarks/common.py:machine`), at the top or one level down."""
+    if isinstance(result.get("machine"), dict):
+        return result["machine"]
+    nested = [value["machine"] for value in result.values() if isinstance(value, dict)
+              and isinstance(value.get("machine"), dict)]
+    return nested[0] if nested else None
+
+
+def _tail(text: str, chars: int = 4000) -> str:
+    return text[-chars:] if text else "(nothing)"
+
+
+@pytest.mark.parametrize("name", sorted(set(SCRIPTS) | set(EXPECTED)))
+def test_benchmark_smoke_mode_writes_its_result(name, tmp_path):
+    script = BENCHMARKS / f"{name}.py"
+    assert script.is_file(), f"EXPECTED names {name}, but there is no benchmarks/{name}.py: remove the entry"
+    assert name in EXPECTED, f"benchmarks/{name}.py has no entry in EXPECTED: add the numbers its JSON must hold"
+    out = tmp_path / f"{name}.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, (f"benchmarks/{name}.py --smoke exited {proc.returncode}\n--- stderr ---\n"
+                                  f"{_tail(proc.stderr)}\n--- stdout ---\n{_tail(proc.stdout)}")
+    assert out.is_file(), f"benchmarks/{name}.py --smoke wrote no {out.name}\n--- stdout ---\n{_tail(proc.stdout)}"
+    result = json.loads(out.read_text())
+    machine = _machine(result)
+    assert machine and machine.get("torch"), f"{name}: no machine record (common.py:machine()) in {list(result)}"
+    try:
+        numbers = EXPECTED[name](result)
+    except (KeyError, TypeError) as exc:
+        pytest.fail(f"{name}: its JSON does not hold what EXPECTED reads ({exc!r}); its keys: {list(result)}")
+    assert numbers, f"{name}: no results in its JSON"
+    assert all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in numbers), f"{name}: {numbers}"
