@@ -38,6 +38,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/health.py
 	$(PY) benchmarks/ft_recovery.py
 	$(PY) benchmarks/pipeline.py
+	$(PY) benchmarks/data.py
+	$(PY) benchmarks/step_path.py
 
 clean:
 	rm -rf $(VENV) site runs benchmarks/results

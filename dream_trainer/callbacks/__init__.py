@@ -33,6 +33,7 @@ from dream_trainer.callbacks.performance import PerformanceReportCallback, Perfo
 from dream_trainer.callbacks.profile import ProfileCallback
 from dream_trainer.callbacks.progress import ProgressBarCallback, ProgressBar
 from dream_trainer.callbacks.run_record import InitFromCheckpointCallback, RunRecordCallback
+from dream_trainer.callbacks.step_window import StepWindowCallback
 from dream_trainer.callbacks.trackers import MLflowLoggerCallback, WandbLoggerCallback
 from dream_trainer.protocol import (
     CONTEXT_HOOKS,
@@ -77,6 +78,7 @@ __all__ = [
     "ProgressBar",
     "RankZeroCallback",
     "SkipBatch",
+    "StepWindowCallback",
     "StopTraining",
     "ThroughputMonitorCallback",
     "TrainingDashboardCallback",
