@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._pytree import tree_map
 
 
 def seed_everything(seed: int) -> None:
@@ -46,11 +45,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor in a (nested) batch to `device` (non-blocking from pinned memory)."""
-    return tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, batch)
 
 
 def detach_result(result: Any, where: str) -> dict[str, Any]:

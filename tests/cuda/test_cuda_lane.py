@@ -26,7 +26,6 @@ from tests.cuda_lane import gpu_count, on_cuda
 from tests.demos import load
 
 pytestmark = pytest.mark.cuda
-logging.getLogger("dream_trainer.callbacks.fp8").setLevel(logging.ERROR)
 
 # The demo, small, on the GPU: 40 steps (of an epoch of 87), logs/validation/checkpoint every 20.
 # Checkpoints are written in the step that saves them (not async): sync-debug mode is global to
@@ -236,6 +235,8 @@ class _Linears(DreamTrainer):
 
 def _float8(compiled: bool) -> dict[str, Any]:
     from dream_trainer.callbacks import Fp8QuantizationCallback
+
+    logging.getLogger("dream_trainer.callbacks.fp8").setLevel(logging.ERROR)  # in this lane process only
 
     fp8, record = Fp8QuantizationCallback("tensorwise", display=False), _Losses()
     config = TrainerConfig(root_dir="runs", device_parameters=DeviceParameters.SINGLE_DEVICE(
