@@ -179,6 +179,11 @@ def run(model: str, variant: str, compiled: bool, opts: dict[str, Any]) -> dict[
                 "fused_adamw": bool(trainer.optimizer.param_groups[0]["fused"])}
 
 
+def run_many(keys: list[tuple[str, str, bool]], opts: dict[str, Any]) -> list[dict[str, Any]]:
+    """--smoke: `run` for each (model, variant, compiled) in turn, in this one process."""
+    return [run(*key, opts) for key in keys]
+
+
 def sweep(widths: list[int], rows: int, repeat: int = 20) -> list[dict[str, Any]]:
     """bf16 ``x @ w.T`` against float8 ``torch._scaled_mm`` (tensorwise and rowwise scales),
     the matmul alone (inputs already in float8), timed with CUDA events."""
@@ -250,9 +255,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         keys = [(m, v, c) for m in models for c in modes for v in variants]
         runs: dict[tuple[str, str, bool], list[dict[str, Any]]] = {k: [] for k in keys}
         for r in range(args.rounds):
-            for key in keys[r % len(keys):] + keys[: r % len(keys)]:
+            order = keys[r % len(keys):] + keys[: r % len(keys)]
+            # a fresh process per run; --smoke: every run in one (starting one is most of its time)
+            outs = iter(spawn_world(1, run_many, order, opts, timeout=1200)[0]) if args.smoke else \
+                (spawn_world(1, run, *key, opts, timeout=1200)[0] for key in order)
+            for key, out in zip(order, outs):
                 model, variant, compiled = key
-                (out,) = spawn_world(1, run, model, variant, compiled, opts, timeout=1200)
                 runs[key].append(out)
                 print(f"  round {r + 1}/{args.rounds} {model} {variant:<15} {'compiled' if compiled else 'eager':<9}"
                       f"{out['tokens_per_s']:>13,.0f} tokens/s {out['peak_mb']:>9,.0f} MiB", flush=True)
