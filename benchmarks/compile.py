@@ -24,6 +24,7 @@ synchronized only at their edges; compile s is the first step (synchronized) min
 speedup over eager of the same size, round and window, and the spread of that speedup.
 
     python benchmarks/compile.py             # every size, eager/demo/blocks/model, 2 rounds
+    python benchmarks/compile.py --sizes large-bf16 --strategies eager,demo --profile   # and where the time goes
     python benchmarks/compile.py --smoke     # seconds: small size, eager and demo, few steps (what CI runs)
 """
 
@@ -57,6 +58,7 @@ SIZES = {  # name -> (n_layer, n_head, d_model, autocast dtype or None)
 DEFAULT_SIZES = {"cuda": "demo,demo-bf16,wide-bf16,large-bf16", "cpu": "small,demo,wide"}
 STRATEGIES = ("eager", "demo", "blocks", "model", "model-cudagraphs")
 DEFAULT_STRATEGIES = "eager,demo,blocks,model"
+PROFILED_STEPS = 4  # --profile: after the timed window, 1 warm-up step and 3 profiled ones
 
 
 class StrategyTrainer(GPTTrainer):
@@ -80,22 +82,30 @@ def _one(size: str, strategy: str, opts: dict[str, Any]) -> dict[str, Any]:
     n_layer, n_head, d_model, dtype = SIZES[size]
     batch, block, steps, warmup = opts["batch_size"], opts["block_size"], opts["steps"], opts["warmup"]
     total = warmup + steps
+    profiled = PROFILED_STEPS if opts.get("profile") else 0
     with tempfile.TemporaryDirectory(prefix="compile_run_") as root:
         args = parse_args(["--steps", str(total), "--batch-size", str(batch), "--block-size", str(block),
                            "--n-layer", str(n_layer), "--n-head", str(n_head), "--d-model", str(d_model),
                            "--n-chars", str(int((total + 2) * (batch * block + batch) / 0.9)),
                            "--data-dir", os.path.join(opts["cache"], f"data_{size}")])
-        timer = StepWindowCallback(warmup, parts=opts["parts"])
+        timer = StepWindowCallback(warmup, parts=opts["parts"], last=total)
+        callbacks: list[Any] = [timer]
+        if profiled:  # after the timed window: 1 warm-up step, then the profiled ones
+            from dream_trainer.callbacks import ProfileCallback
+
+            profiler = ProfileCallback(skip_first=total, wait=0, warmup=1, active=profiled - 1, with_stack=False,
+                                       record_shapes=False, row_limit=30, output_dir=os.path.join(root, "profile"))
+            callbacks.append(profiler)
         StrategyTrainer.strategy = strategy
         config = TrainerConfig(
             experiment="compile", root_dir=root, seed=0,
             device_parameters=PARALLEL["single"](device=opts["device"], compile_model=strategy != "eager",
                                                  autocast_dtype=getattr(torch, dtype) if dtype else None),
-            training_parameters=TrainingParameters(n_epochs=None, max_steps=total, val_every_n_steps=None,
+            training_parameters=TrainingParameters(n_epochs=None, max_steps=total + profiled, val_every_n_steps=None,
                                                    validate_at_epoch_end=False, num_sanity_val_steps=0,
                                                    global_batch_size=batch, gradient_clip_val=1.0),  # the demo's
             logging_parameters=LoggingParameters(log_every_n_steps=10**9, log_lr=False),
-            callbacks=[timer],
+            callbacks=callbacks,
         )
         trainer = StrategyTrainer(demo_config(config, args))
         start = time.perf_counter()
@@ -104,7 +114,9 @@ def _one(size: str, strategy: str, opts: dict[str, Any]) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - a strategy that does not work here is a result
             return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
         assert timer.step_s is not None and timer.first_step_s is not None
-        return {"step_s": timer.step_s, "part_step_s": timer.part_step_s, "first_step_s": timer.first_step_s,
+        tables = [p.read_text() for p in (profiler.exported if profiled else []) if p.name.startswith("key_averages")]
+        return {"profile": tables[0] if tables else None, "step_s": timer.step_s, "part_step_s": timer.part_step_s,
+                "first_step_s": timer.first_step_s,
                 "compile_s": max(0.0, timer.first_step_s - timer.step_s), "tokens_per_s": batch * block / timer.step_s,
                 "wall_s": time.perf_counter() - start, "params": sum(p.numel() for p in trainer.model.parameters()),
                 "regions": list(trainer.compiled_modules)}
@@ -131,6 +143,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--block-size", type=int, default=None, help="default: 256 on CUDA, 64 on CPU")
     p.add_argument("--sizes", default=None, help=f"comma-separated, from {list(SIZES)} (default: {DEFAULT_SIZES})")
     p.add_argument("--strategies", default=DEFAULT_STRATEGIES, help=f"comma-separated, from {list(STRATEGIES)}")
+    p.add_argument("--profile", action="store_true", help="after each run's timed window, profile 3 steps: the ops "
+                   "table (by device time on CUDA) goes into the JSON and <out>.profile.txt")
     p.add_argument("--smoke", action="store_true", help="seconds: small size, eager and demo, 1 round, 3 steps")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "compile.json"))
     args = p.parse_args(argv)
@@ -152,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="compile_bench_") as cache:
         opts = {"device": device, "batch_size": args.batch_size, "block_size": args.block_size, "steps": args.steps,
-                "warmup": args.warmup, "parts": args.parts, "cache": cache}
+                "warmup": args.warmup, "parts": args.parts, "profile": args.profile, "cache": cache}
         for r in range(args.rounds):
             order = strategies[r % len(strategies):] + strategies[: r % len(strategies)]
             for size in sizes:
@@ -167,6 +181,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {"rows": rows, "settings": vars(args), "device": device, "device_name": device_name(device),
               "wall_s": wall, "machine": machine()}
     write_json(result, args.out)
+    if args.profile:  # the ops tables side by side, for reading
+        text = "\n\n".join(f"=== {row['size']} {row['strategy']} (round 1)\n{row['runs'][0].get('profile')}"
+                           for row in rows if "runs" in row)
+        Path(args.out).with_suffix(".profile.txt").write_text(text)
     print(f"({wall:.0f} s)")
     return result
 

@@ -34,8 +34,9 @@ def verdict(ratios: list[float], limit: float = SPREAD_LIMIT) -> str:
 
 
 class StepWindowCallback(Callback[Any]):
-    """Time the optimizer steps after the first `warmup` ones, up to ``max_steps``, as one
-    window, cut into `parts` equal sub-windows (the last takes any remainder). On CUDA the
+    """Time the optimizer steps after the first `warmup` ones, up to step `last` (default:
+    ``max_steps``), as one window, cut into `parts` equal sub-windows (the last takes any
+    remainder). On CUDA the
     device is synchronized at the sub-windows' edges and around the first step only, so the
     steps in between run as they do in training (no per-step sync); a step's mean time,
     tokens/s and samples/s come from the same span and agree with each other. The parts'
@@ -52,11 +53,14 @@ class StepWindowCallback(Callback[Any]):
         samples_per_s: samples per second over the window.
     """
 
-    def __init__(self, warmup: int = 2, parts: int = 1):
+    def __init__(self, warmup: int = 2, parts: int = 1, last: int | None = None):
         for name, value in (("warmup", warmup), ("parts", parts)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"StepWindowCallback({name}={value!r}) is invalid: expected an int >= 1")
-        self.warmup, self.parts = warmup, parts
+        if last is not None and (isinstance(last, bool) or not isinstance(last, int) or last < warmup + parts):
+            raise ValueError(f"StepWindowCallback(last={last!r}) is invalid: expected None or an int >= warmup + parts "
+                             f"({warmup + parts})")
+        self.warmup, self.parts, self.last = warmup, parts, last
         self.first_step_s: float | None = None
         self.step_s: float | None = None
         self.part_step_s: list[float] = []
@@ -68,7 +72,7 @@ class StepWindowCallback(Callback[Any]):
         self._times: list[float] = []
 
     def pre_fit(self) -> None:
-        last = self.trainer.training_parameters.max_steps
+        last = self.last if self.last is not None else self.trainer.training_parameters.max_steps
         if last is None or last - self.warmup < self.parts:
             raise ValueError(f"StepWindowCallback(warmup={self.warmup}, parts={self.parts}) needs "
                              f"TrainingParameters.max_steps >= {self.warmup + self.parts} (got {last}): the window "
