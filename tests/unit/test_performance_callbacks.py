@@ -311,3 +311,23 @@ def test_performance_report_names_the_dataloader_only_when_it_is_slow(tmp_path, 
     assert written["steps_measured"] == 18 and written["throughput"]["samples_per_s"] > 0
     assert (written["shares"]["data"] > 0.5) is slow
     assert abs(sum(written["shares"].values()) - 1) < 1e-6
+
+
+# -------------------------------------------------------------------- StepWindowCallback
+def test_the_step_window_times_steps_after_warmup_and_its_rates_agree_with_its_step_time():
+    from dream_trainer.callbacks import StepWindowCallback
+    from dream_trainer.callbacks.step_window import spread, verdict
+
+    window = StepWindowCallback(warmup=2, parts=3, last=11)  # steps 3..11, in windows of 3
+    trainer = ToyTrainer(config([window], n_epochs=None, max_steps=12))
+    trainer.fit()
+    assert trainer.global_step == 12 and window.steps == 9 and len(window.part_step_s) == 3
+    assert window.step_s == pytest.approx(sum(window.part_step_s) / 3)  # equal parts: the mean of their means
+    assert window.samples_per_s * window.step_s == pytest.approx(16)  # a batch of 16 per step, from the same span
+    assert window.tokens_per_s is None and window.first_step_s > 0  # float features: no tokens
+    assert spread([1.0, 1.2, 0.9]) == pytest.approx(0.3) and spread([2.0]) == 0.0
+    assert verdict([1.0, 1.02]) == "ok" and "too wide" in verdict([1.0, 1.3]) and "no spread" in verdict([1.0])
+    with pytest.raises(ValueError, match=r"StepWindowCallback\(parts=0\) is invalid"):
+        StepWindowCallback(parts=0)
+    with pytest.raises(ValueError, match=r"needs TrainingParameters.max_steps >= 5 \(got None\)"):
+        ToyTrainer(config([StepWindowCallback(warmup=2, parts=3)])).fit()
