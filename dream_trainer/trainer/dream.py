@@ -72,9 +72,20 @@ class DreamTrainer(PipelineMixin, BaseTrainer):
 
     def compile_module(self, module: nn.Module, **options: Any) -> None:
         """``module.compile(**options)`` (in place), recorded in `compiled_modules` with its
-        options. Use it in `apply_compile`."""
+        options. Use it in `apply_compile`.
+
+        A module whose ``forward`` is torch's own (``nn.Sequential``, ``nn.Linear``, ...) is
+        compiled through a call of this package's: dynamo skips a top frame in torch's own
+        code, so ``module.compile()`` alone would compile nothing for it, silently."""
         self.build.compile_options(module, options)
         module.compile(**options)
+        if getattr(type(module).forward, "__module__", "").startswith("torch."):
+            call = module._call_impl
+
+            def call_impl(*args: Any, **kwargs: Any) -> Any:
+                return call(*args, **kwargs)
+
+            module._compiled_call_impl = torch.compile(call_impl, **options)
 
     def fsdp_modules(self, model: str | nn.Module) -> dict[str, nn.Module]:
         """The modules ``fully_shard`` was applied to in `model` (a name or the model),

@@ -81,3 +81,30 @@ def test_the_run_directory_and_checkpoints_follow_the_world(tmp_path, explicit):
 def test_a_checkpoint_schedule_that_contradicts_the_world_fails(tmp_path):
     with pytest.raises(ValueError, match="checkpoint_interval=2 but CheckpointParameters.every_n_steps=3"):
         ToyTrainer(_config(tmp_path, every=3)).fit()
+
+
+def test_compile_module_compiles_torchs_own_modules_too():
+    """``module.compile()`` compiles nothing for a module whose forward is torch's own
+    (dynamo skips that top frame, without a word): the ToyTrainer's nn.Linear layers, a plain
+    nn.Sequential. `compile_module` compiles them; each region captures its graph (the
+    "eager" backend: no code generated)."""
+    from torch._dynamo.utils import counters
+
+    class Layers(ToyTrainer):  # what ToyTrainer.apply_compile does, with the eager backend
+        def apply_compile(self):
+            for i in (0, 2):
+                self.compile_module(self.model[i], backend="eager")
+
+    class Whole(ToyTrainer):
+        def apply_compile(self):
+            self.compile_module(self.model, backend="eager")  # the nn.Sequential itself
+
+    for trainer_cls, regions in ((Layers, ["model.0", "model.2"]), (Whole, ["model"])):
+        torch._dynamo.reset()
+        counters.clear()
+        trainer = trainer_cls(TrainerConfig(device_parameters=DeviceParameters.SINGLE_DEVICE(compile_model=True),
+                                            training_parameters=TrainingParameters(n_epochs=1, num_sanity_val_steps=0)))
+        trainer.fit()
+        assert list(trainer.compiled_modules) == regions
+        assert counters["stats"]["unique_graphs"] >= len(regions), dict(counters["stats"])  # was 0
+    torch._dynamo.reset()
