@@ -25,7 +25,7 @@ PAGEABLE_WARN_BYTES = 1 << 20
 
 class BatchTransfer:
     """Moves batches to the world's device (see the module docstring). Needs no trainer:
-    `start` is given the device when `fit()` begins.
+    the world calls `start` with its device when it is launched.
 
     Attributes:
         device: where batches go (None before `start`).
