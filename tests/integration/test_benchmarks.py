@@ -1,7 +1,7 @@
 """Every benchmark in benchmarks/ runs end to end in its smoke mode, so none can rot unseen.
 
 Each script is run as CI would: ``python benchmarks/<name>.py --smoke --out <tmp>/<name>.json``
-in a fresh process (CUDA hidden and one intra-op thread: the environment tests/conftest.py
+in a fresh process (two at a time: a smoke run is mostly starting Python and torch) (CUDA hidden and one intra-op thread: the environment tests/conftest.py
 sets). It must exit 0 and write its JSON: where it ran (``machine``) and numbers that show it
 measured something (`EXPECTED`: the script's own result fields, each a positive number).
 
@@ -59,15 +59,37 @@ def _tail(text: str, chars: int = 4000) -> str:
     return text[-chars:] if text else "(nothing)"
 
 
+CONCURRENT = 2  # smoke runs at a time: each is mostly one core starting Python and torch (3 gained nothing here)
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess[str], Path]]:
+    """Every benchmark's smoke run, `CONCURRENT` at a time (each in a directory of its own):
+    ``{name: (the finished process, its JSON's path)}``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = tmp_path_factory.mktemp("smoke")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+    def run(name: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+        work = root / name
+        work.mkdir()
+        out = work / f"{name}.json"
+        proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--smoke", "--out", str(out)], cwd=work,
+                              env=env, capture_output=True, text=True, timeout=TIMEOUT)
+        return proc, out
+
+    names = [name for name in SCRIPTS if name in EXPECTED]
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        return dict(zip(names, pool.map(run, names)))
+
+
 @pytest.mark.parametrize("name", sorted(set(SCRIPTS) | set(EXPECTED)))
-def test_benchmark_smoke_mode_writes_its_result(name, tmp_path):
+def test_benchmark_smoke_mode_writes_its_result(name, smoke_runs):
     script = BENCHMARKS / f"{name}.py"
     assert script.is_file(), f"EXPECTED names {name}, but there is no benchmarks/{name}.py: remove the entry"
     assert name in EXPECTED, f"benchmarks/{name}.py has no entry in EXPECTED: add the numbers its JSON must hold"
-    out = tmp_path / f"{name}.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT)
+    proc, out = smoke_runs[name]
     assert proc.returncode == 0, (f"benchmarks/{name}.py --smoke exited {proc.returncode}\n--- stderr ---\n"
                                   f"{_tail(proc.stderr)}\n--- stdout ---\n{_tail(proc.stdout)}")
     assert out.is_file(), f"benchmarks/{name}.py --smoke wrote no {out.name}\n--- stdout ---\n{_tail(proc.stdout)}"
