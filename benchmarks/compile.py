@@ -7,10 +7,11 @@ that rotates every round:
 
     eager               no compile
     demo                the demo's own ``apply_compile`` (the whole model as one region on one
-                        device; each block on its own when the model is sharded or split)
+                        device, its embeddings eager; each block on its own when the model is
+                        sharded or split)
     blocks              each transformer block compiled on its own (torchtitan's way; what the
                         demo did before)
-    model               the whole GPT as one compiled region
+    model               the whole GPT as one compiled region, embeddings included
     model-cudagraphs    the same with mode="reduce-overhead" (CUDA graphs; CUDA only)
 
 Sizes (n_layer, n_head, d_model; precision): on CUDA ``demo`` (the demo's shape, float32 as

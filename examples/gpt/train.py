@@ -171,11 +171,16 @@ class GPTTrainer(DreamTrainer):
 
     def apply_compile(self) -> None:
         """On one device the whole model is one compiled region (the fewest calls into
-        compiled code per step: what a small model's step time is made of). Sharded or
-        split (FSDP2, DDP, TP, pipeline, context parallel) each block is a region of its
-        own: FSDP2 gathers and DDP reduces block by block around them, and the blocks share
-        one graph, compiled once (benchmarks/compile.py measures both)."""
+        compiled code per step: what a small model's step time is made of), but for the
+        embeddings, which stay eager: inductor's embedding backward adds into the gradient
+        with atomics, so two runs (and a run and its resume) would differ in the last bits;
+        ATen's does not. Sharded or split (FSDP2, DDP, TP, pipeline, context parallel) each
+        block is a region of its own: FSDP2 gathers and DDP reduces block by block around
+        them, and the blocks share one graph, compiled once (benchmarks/compile.py measures
+        both)."""
         if self.world.world_size == 1:
+            for embedding in (self.model.tok_emb, self.model.pos_emb):
+                embedding.forward = torch.compiler.disable(embedding.forward)
             self.compile_module(self.model)
             return
         for block in self.model.blocks:
