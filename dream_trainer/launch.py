@@ -30,56 +30,16 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from dream_trainer.cluster import global_rank, in_slurm_step, slurm_job_id
+from dream_trainer.exits import EXIT_PREEMPTED, STOP_SIGNALS, combined_exit_code, recorded_exit_codes
+from dream_trainer.run_identity import ENV_EXPERIMENT, ENV_RUN_NAME, ENV_SEED, default_run_name
 
 logger = logging.getLogger(__name__)
-
-EXIT_PREEMPTED = 75
-"""The exit status of a preempted run (``EX_TEMPFAIL``: stopped early, checkpointed, resumable)."""
-
-EXIT_FAILED = 1
-"""The exit status of a failed run."""
-
-
-def exit_code_for(status: str) -> int:
-    """The process exit status a run's final status asks for: `EXIT_PREEMPTED` (75) for
-    ``"preempted"``, `EXIT_FAILED` (1) for ``"failed"``, else 0 (completed, stopped)."""
-    return {"preempted": EXIT_PREEMPTED, "failed": EXIT_FAILED}.get(status, 0)
 
 T = TypeVar("T")
 
 ENV_NPROC = "DREAM_TRAINER_NPROC"
-ENV_EXPERIMENT = "DREAM_TRAINER_EXPERIMENT"
-ENV_RUN_NAME = "DREAM_TRAINER_RUN_NAME"
-ENV_RUN_DIR = "DREAM_TRAINER_RUN_DIR"
-ENV_SEED = "DREAM_TRAINER_SEED"
 ENV_LAUNCHER_PID = "DREAM_TRAINER_LAUNCHER_PID"
 ENV_REQUEUE = "DREAM_TRAINER_REQUEUE"
-
-STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
-"""The signals that stop a run at the next step boundary (a checkpoint, then exit status 75):
-a scheduler's preemption (SIGTERM), Ctrl-C (SIGINT), SLURM's warning before the time limit
-(``#SBATCH --signal=USR1@90``) and submitit's (SIGUSR2: while a run trains, the trainer's
-handler replaces submitit's and restores it afterwards; see examples/submitit). The trainer
-handles them; the ``--nproc`` launcher forwards them."""
-
-
-def default_run_name() -> str:
-    """A run's name when none is given, the same on every node and again after a restart,
-    so a restarted run resumes itself: ``slurm-<job id>`` inside a SLURM job (also after a
-    requeue), ``torchrun-<rdzv id>`` under torchrun with a rendezvous id (``--rdzv-id``, or
-    ``--standalone``'s own: torchelastic's restarts keep it), else a timestamp — with a
-    warning under ``torchrun --max-restarts``, whose restarted ranks would then start a new
-    run."""
-    job = slurm_job_id()
-    if job:
-        return f"slurm-{job}"
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    if run_id != "none":
-        return f"torchrun-{run_id}"
-    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0:
-        logger.warning("torchrun --max-restarts without --rdzv-id and without a run name: a restarted group gets a "
-                       "new timestamped run name and starts over instead of resuming; pass --rdzv-id or a run name")
-    return time.strftime("%Y%m%d-%H%M%S")
 
 
 def requeue_slurm_job() -> bool:
@@ -102,23 +62,6 @@ def requeue_slurm_job() -> bool:
     logger.warning("preempted: SLURM job %s requeued (it resumes from the newest checkpoint)", job)
     return True
 
-_fit_statuses: list[int] = []  # exit codes of the fit() calls of this process, in order
-
-
-def record_exit_code(code: int) -> None:
-    """Record the exit code a finished ``fit()`` asks for (`BaseTrainer.fit` calls it on
-    every path), so `entrypoint` exits with it even when the script drops it."""
-    _fit_statuses.append(int(code))
-
-
-def combined_exit_code(codes: list[int] | tuple[int, ...]) -> int:
-    """One status for several: the first failure (not 0, not `EXIT_PREEMPTED`), else
-    `EXIT_PREEMPTED` when any was preempted, else 0."""
-    failed = [code for code in codes if code not in (0, EXIT_PREEMPTED)]
-    if failed:
-        return failed[0]
-    return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else 0
-
 
 class LaunchExit(SystemExit):
     """Raised by `entrypoint` when the run did not succeed: a rank failed or was preempted
@@ -135,34 +78,6 @@ class LaunchExit(SystemExit):
     def __init__(self, code: int, result: LaunchResult | None = None):
         super().__init__(code)
         self.result = result
-
-
-@dataclass(frozen=True)
-class RunIdentity:
-    """What every rank of a run must agree on; read from the environment."""
-
-    experiment: str | None
-    run_name: str | None
-    run_dir: str | None
-    seed: int | None
-
-    @classmethod
-    def from_env(cls) -> RunIdentity:
-        """Read back from the environment: the names are checked like the config's (they
-        become directories under the root)."""
-        from dream_trainer.configs import check_name
-
-        seed = os.environ.get(ENV_SEED)
-        experiment, run_name = os.environ.get(ENV_EXPERIMENT) or None, os.environ.get(ENV_RUN_NAME) or None
-        for env, value in ((ENV_EXPERIMENT, experiment), (ENV_RUN_NAME, run_name)):
-            if value is not None:
-                check_name(f"${env}", value)
-        return cls(
-            experiment=experiment,
-            run_name=run_name,
-            run_dir=os.environ.get(ENV_RUN_DIR) or None,
-            seed=int(seed) if seed else None,
-        )
 
 
 def is_launched() -> bool:
@@ -268,9 +183,9 @@ def _run_main(main: Callable[[], T], requeue: bool = False) -> T:
     did not succeed: a preempted run exits 75 and a failed one non-zero, even when the
     script drops the status (a failure that ``main`` caught included). A preempted run
     with `requeue` requeues its SLURM job first (rank 0)."""
-    first = len(_fit_statuses)
+    first = len(recorded_exit_codes())
     value = main()
-    codes = _fit_statuses[first:]
+    codes = list(recorded_exit_codes()[first:])
     returned = getattr(value, "exit_code", None)
     if isinstance(returned, int) and not isinstance(returned, bool):
         codes = [*codes, returned]

@@ -1,4 +1,4 @@
-"""`ControlPlane`: decisions that change control flow — a signal (`launch.STOP_SIGNALS`), a stop
+"""`ControlPlane`: decisions that change control flow — a signal (`exits.STOP_SIGNALS`), a stop
 requested by a callback (`StopTraining`, ``trainer.request_stop``), disabling a failing
 non-critical callback — taken on any rank and acted on by every rank at the same point.
 
@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
-from dream_trainer.launch import STOP_SIGNALS
+from dream_trainer.exits import STOP_SIGNALS
 from dream_trainer.protocol.base import StopTraining
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ signals
     def install_signal_handlers(self, running: Callable[[], bool]) -> Callable[[], None]:
-        """The stop signals (`launch.STOP_SIGNALS`) ask for a stop at the next step boundary; a second signal (or
+        """The stop signals (`exits.STOP_SIGNALS`) ask for a stop at the next step boundary; a second signal (or
         one while not `running`) raises `TrainingInterrupted` at once. The same signal
         repeated within `SIGNAL_REPEAT_WINDOW_S` of the first is one delivery, not a second
         signal: a process can get one signal twice (a scheduler signalling the process group

@@ -152,7 +152,8 @@ def test_a_plan_that_crosses_a_node_where_it_should_not_is_refused_with_a_sugges
 
 # ---------------------------------------------------------------------- requeue and run names
 def test_requeue_is_rank_zero_only_and_says_why_it_did_not_happen(monkeypatch, tmp_path, caplog):
-    from dream_trainer.launch import default_run_name, requeue_slurm_job
+    from dream_trainer.launch import requeue_slurm_job
+    from dream_trainer.run_identity import default_run_name
 
     assert not default_run_name().startswith("slurm-")  # a timestamp outside SLURM
     assert not requeue_slurm_job()  # not a SLURM job: a warning, nothing run
@@ -172,7 +173,7 @@ def test_requeue_is_rank_zero_only_and_says_why_it_did_not_happen(monkeypatch, t
 
 
 def test_a_torchrun_run_is_named_after_its_rendezvous_id_and_restarts_without_one_warn(monkeypatch, caplog):
-    from dream_trainer.launch import default_run_name
+    from dream_trainer.run_identity import default_run_name
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "my-run")  # --rdzv-id, kept by every restart
     assert default_run_name() == "torchrun-my-run"

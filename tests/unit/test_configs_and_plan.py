@@ -15,7 +15,8 @@ from dream_trainer import (
     TrainingParameters,
     plan_mesh,
 )
-from dream_trainer.launch import ENV_RUN_NAME, _pop_nproc, entrypoint
+from dream_trainer.launch import _pop_nproc, entrypoint
+from dream_trainer.run_identity import ENV_RUN_NAME
 
 
 @pytest.mark.parametrize(

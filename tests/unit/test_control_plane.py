@@ -7,7 +7,7 @@ import time
 import pytest
 
 from dream_trainer import StopTraining, TrainingInterrupted
-from dream_trainer.launch import EXIT_FAILED, EXIT_PREEMPTED, exit_code_for
+from dream_trainer.exits import EXIT_FAILED, EXIT_PREEMPTED, exit_code_for
 from dream_trainer.trainer.control import SIGNAL_REPEAT_WINDOW_S, ControlPlane
 
 

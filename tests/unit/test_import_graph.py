@@ -58,13 +58,13 @@ def test_the_trainer_and_the_world_import_no_shipped_callback():
 
 
 def test_fault_tolerance_is_one_package_below_the_shipped_callbacks():
-    """Everything of fault tolerance lives in `dream_trainer.fault_tolerance` (the former
-    `dream_trainer.ft` is a re-export); it meets the checkpoint callback through public seams
-    (`Checkpointer`, the world's `resume_roots`), never by importing a shipped callback."""
+    """Everything of fault tolerance lives in `dream_trainer.fault_tolerance`; it meets the
+    checkpoint callback through public seams (`Checkpointer`, the world's `resume_roots`),
+    never by importing a shipped callback."""
     ft_modules = {m for m in GRAPH if _unit(m) == "fault_tolerance"}
     assert {"dream_trainer.fault_tolerance.world", "dream_trainer.fault_tolerance.callback"} <= ft_modules
     assert _offending("fault_tolerance", ("callbacks",)) == []
-    elsewhere = sorted(m for m in GRAPH if _unit(m) not in ("fault_tolerance", "ft", "testing")
+    elsewhere = sorted(m for m in GRAPH if _unit(m) not in ("fault_tolerance", "testing")
                        and any(word in m for word in ("fault", "ft_", ".ft")))
     assert elsewhere == []
 
@@ -108,22 +108,29 @@ def test_the_trainer_components_import_no_trainer():
     assert offending == []
 
 
-def test_the_former_name_of_fault_tolerance_still_imports_and_says_the_new_one():
+def test_the_former_name_of_fault_tolerance_is_gone():
     import importlib
-    import sys
-    import warnings
 
-    import dream_trainer.fault_tolerance as fault_tolerance
+    import pytest
 
-    sys.modules.pop("dream_trainer.ft", None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        old = importlib.import_module("dream_trainer.ft")
-    assert [str(w.message) for w in caught if w.category is DeprecationWarning] == [
-        "dream_trainer.ft is now dream_trainer.fault_tolerance (python -m dream_trainer.fault_tolerance lighthouse); "
-        "the old name will be removed"]
-    assert old.Lighthouse is fault_tolerance.Lighthouse and old.main is fault_tolerance.main
-    assert old.FaultTolerantSampler is fault_tolerance.FaultTolerantSampler
+    assert "dream_trainer.ft" not in GRAPH
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("dream_trainer.ft")
+
+
+def test_the_trainer_does_not_import_the_launcher():
+    """The trainer reads exit codes, stop signals and the run's identity from leaves
+    (`dream_trainer.exits`, `dream_trainer.run_identity`) that the launcher reads too."""
+    assert "dream_trainer.launch" in GRAPH  # not vacuous
+    trainer = [m for m in GRAPH if _unit(m) == "trainer"]
+    assert "dream_trainer.trainer.base" in trainer
+    assert sorted(f"{m} imports {i}" for m in trainer for i in GRAPH[m] if i == "dream_trainer.launch") == []
+
+
+def test_exit_codes_and_signals_are_a_leaf_and_the_run_identity_nearly_one():
+    assert GRAPH["dream_trainer.exits"] == set()
+    assert GRAPH["dream_trainer.run_identity"] == {"dream_trainer.cluster", "dream_trainer.configs"}
+    assert {"dream_trainer.exits", "dream_trainer.run_identity"} <= GRAPH["dream_trainer.launch"]
 
 
 def test_the_cluster_environment_is_a_leaf():

@@ -228,7 +228,7 @@ def test_checkpoints_read_back_stay_inside_the_root(tmp_path, caplog):
 
 
 def test_run_names_read_back_from_the_environment_are_checked(monkeypatch):
-    from dream_trainer.launch import RunIdentity
+    from dream_trainer.run_identity import RunIdentity
 
     monkeypatch.setenv("DREAM_TRAINER_RUN_NAME", "../../etc")
     with pytest.raises(ValueError, match=r"\$DREAM_TRAINER_RUN_NAME='\.\./\.\./etc' is invalid"):
