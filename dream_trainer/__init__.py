@@ -8,7 +8,6 @@ from dream_trainer.callbacks import (
     CheckpointCallback,
     FaultToleranceCallback,
     LoggerCallback,
-    ProgressBar,
     ProgressBarCallback,
     RankZeroCallback,
     SkipBatch,
@@ -26,7 +25,8 @@ from dream_trainer.configs import (
 )
 from dream_trainer.fault_tolerance import FaultToleranceError, FaultTolerantWorld
 from dream_trainer.serialization import UnsafeStateError, allow_types
-from dream_trainer.launch import LaunchExit, LaunchResult, RunIdentity, entrypoint
+from dream_trainer.launch import LaunchExit, LaunchResult, entrypoint
+from dream_trainer.run_identity import RunIdentity
 from dream_trainer.trainer import (
     EXIT_FAILED,
     EXIT_PREEMPTED,
@@ -77,7 +77,6 @@ __all__ = [
     "MemoryStatus",
     "MeshPlan",
     "MeshPlanError",
-    "ProgressBar",
     "ProgressBarCallback",
     "RankZeroCallback",
     "RunIdentity",

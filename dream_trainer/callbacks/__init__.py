@@ -2,9 +2,8 @@
 that ship with dream_trainer.
 
 Every shipped callback is named ``<what it does>Callback``. dream-trainer's names
-(`OptimizeFSDP`, `ProgressBar`, `Fp8Quantization`, and `FindGraphBreaksCallback`, ...,
-which already follow the rule) and this project's former ones (`CompileMonitor`,
-`PerformanceReport`) import too: each is the same class under a second name.
+`OptimizeFSDP` and `Fp8Quantization` (and `FindGraphBreaksCallback`, ..., which already
+follow the rule) import too: each is the same class under a second name.
 
 The shipped callbacks depend on the trainer and the protocol; neither depends on them. A
 callback's optional dependency (torchao, torchft, rich) is imported only when that
@@ -14,7 +13,7 @@ callback is used.
 from __future__ import annotations
 
 from dream_trainer.callbacks.checkpoint import CheckpointCallback
-from dream_trainer.callbacks.compile_monitor import CompileMonitorCallback, CompileMonitor
+from dream_trainer.callbacks.compile_monitor import CompileMonitorCallback
 from dream_trainer.fault_tolerance import FaultToleranceCallback
 from dream_trainer.callbacks.fp8 import Float8Hardware, Fp8Quantization, Fp8QuantizationCallback, float8_hardware
 from dream_trainer.callbacks.graph_breaks import FindGraphBreaksCallback
@@ -29,9 +28,9 @@ from dream_trainer.callbacks.monitors import (
     health_callbacks,
 )
 from dream_trainer.callbacks.optimize_fsdp import OptimizeFSDPCallback, OptimizeFSDP
-from dream_trainer.callbacks.performance import PerformanceReportCallback, PerformanceReport
+from dream_trainer.callbacks.performance import PerformanceReportCallback
 from dream_trainer.callbacks.profile import ProfileCallback
-from dream_trainer.callbacks.progress import ProgressBarCallback, ProgressBar
+from dream_trainer.callbacks.progress import ProgressBarCallback
 from dream_trainer.callbacks.run_record import InitFromCheckpointCallback, RunRecordCallback
 from dream_trainer.callbacks.step_window import StepWindowCallback
 from dream_trainer.callbacks.trackers import MLflowLoggerCallback, WandbLoggerCallback
@@ -55,7 +54,6 @@ __all__ = [
     "CallbackDependencyError",
     "CheckpointCallback",
     "CompileMonitorCallback",
-    "CompileMonitor",
     "FaultToleranceCallback",
     "FindGraphBreaksCallback",
     "Float8Hardware",
@@ -68,14 +66,12 @@ __all__ = [
     "OptimizeFSDPCallback",
     "OptimizeFSDP",
     "PerformanceReportCallback",
-    "PerformanceReport",
     "ProfileCallback",
     "RunRecordCallback",
     "WandbLoggerCallback",
     "MLflowLoggerCallback",
     "InitFromCheckpointCallback",
     "ProgressBarCallback",
-    "ProgressBar",
     "RankZeroCallback",
     "SkipBatch",
     "StepWindowCallback",

@@ -165,6 +165,3 @@ def _code_of(module: nn.Module) -> tuple[str, int] | None:
     code = getattr(type(module).forward, "__code__", None)
     return (code.co_filename, code.co_firstlineno) if code is not None else None
 
-
-CompileMonitor = CompileMonitorCallback
-"""`CompileMonitorCallback` under its former name (the same class)."""

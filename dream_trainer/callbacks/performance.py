@@ -249,6 +249,3 @@ class _SyncMeasuredSteps(RankZeroCallback[BaseTrainer]):
         if self.sync:
             torch.cuda.synchronize()  # the update done within the optimizer's time
 
-
-PerformanceReport = PerformanceReportCallback
-"""`PerformanceReportCallback` under its former name (the same class)."""

@@ -61,15 +61,6 @@ class AbstractTrainer(ABC):
         """Every learning-rate scheduler assigned as an attribute."""
         return self._named(LRScheduler)  # type: ignore[type-abstract]
 
-    def get_model(self, name: str) -> nn.Module:
-        return _lookup(self.named_models(), name, "model")
-
-    def get_optimizer(self, name: str) -> Optimizer:
-        return _lookup(self.named_optimizers(), name, "optimizer")
-
-    def get_scheduler(self, name: str) -> LRScheduler:
-        return _lookup(self.named_schedulers(), name, "scheduler")
-
     def model_for(self, optimizer: Optimizer) -> nn.Module | None:
         """The model whose parameters `optimizer` updates (None if no model owns them),
         whatever the models' sharding state: an FSDP2 module left unsharded by a forward
@@ -152,9 +143,3 @@ def reshard(models: Iterable[nn.Module]) -> None:
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
-
-
-def _lookup(found: dict[str, T], name: str, what: str) -> T:
-    if name not in found:
-        raise KeyError(f"no {what} named {name!r}; the trainer has: {list(found) or 'none'}")
-    return found[name]

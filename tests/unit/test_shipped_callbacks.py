@@ -24,6 +24,18 @@ def test_progress_bar_shows_step_loss_lr_and_estimates_iterable_epochs():
     assert "step=" in text and "loss=" in text and "lr=" in text and "batch/s" in text
 
 
+def test_progress_bar_estimates_the_first_epoch_of_a_loader_without_length_from_the_hint():
+    out = io.StringIO()
+    trainer = make([ProgressBarCallback(enabled=True, file=out)], trainer_kwargs=dict(iterable=True, n_samples=64, batch_size=8),
+                   n_epochs=1, train_steps_per_epoch_hint=10)
+    assert not hasattr(trainer.train_dataloader, "__len__")  # no length: only the hint tells
+    trainer.fit()
+    text = out.getvalue()
+    assert trainer.train_steps_per_epoch is None and trainer.total_steps == 10
+    assert "epoch 0 (~total)" in text
+    assert "0/10" in text and "6/10" in text  # the hint is the total; the epoch had 6 batches
+
+
 def test_progress_bar_is_quiet_when_not_a_tty():
     out = io.StringIO()  # not a terminal
     make([ProgressBarCallback(file=out)]).fit()
@@ -84,7 +96,9 @@ def test_sigterm_stops_at_the_step_boundary_and_a_second_signal_aborts():
 
 def test_shipped_callbacks_follow_one_naming_rule_and_keep_dream_trainers_names():
     """Every shipped callback's class is named ``<what it does>Callback``; the other names
-    exported are dream-trainer's (and this project's former ones) for the same classes."""
+    exported are dream-trainer's for the same classes (this project's former names and
+    `ProgressBar` are gone)."""
+    import dream_trainer
     import dream_trainer.callbacks as shipped
     from dream_trainer.protocol import Callback, RankZeroCallback
 
@@ -94,9 +108,10 @@ def test_shipped_callbacks_follow_one_naming_rule_and_keep_dream_trainers_names(
     assert len({id(c) for c in classes.values()}) >= 16  # not vacuous: every shipped callback is exported
     assert sorted(c.__name__ for c in classes.values() if not c.__name__.endswith("Callback")) == []
     aliases = {name: c.__name__ for name, c in classes.items() if name != c.__name__}
-    assert aliases == {"CompileMonitor": "CompileMonitorCallback", "Fp8Quantization": "Fp8QuantizationCallback",
-                       "OptimizeFSDP": "OptimizeFSDPCallback", "PerformanceReport": "PerformanceReportCallback",
-                       "ProgressBar": "ProgressBarCallback"}
-    for name in ("OptimizeFSDP", "FindGraphBreaksCallback", "ProgressBar", "Fp8Quantization", "ProfileCallback",
+    assert aliases == {"Fp8Quantization": "Fp8QuantizationCallback", "OptimizeFSDP": "OptimizeFSDPCallback"}
+    for name in ("CompileMonitor", "PerformanceReport", "ProgressBar"):  # former names: gone everywhere
+        assert not hasattr(shipped, name) and not hasattr(dream_trainer, name)
+        assert name not in dream_trainer.__all__
+    for name in ("OptimizeFSDP", "FindGraphBreaksCallback", "Fp8Quantization", "ProfileCallback",
                  "LoggerCallback", "CheckpointCallback", "FaultToleranceCallback"):  # dream-trainer's names
         assert name in exported
