@@ -24,8 +24,32 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
+_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _launcher_variables() -> list[str]:
+    """The variables a launcher (ours, torchrun, SLURM) sets, present in this process."""
+    return [name for name in os.environ
+            if name.startswith(("DREAM_TRAINER_", "SLURM_")) or name in _LAUNCHER_VARIABLES]
+
+
+def _drop_launcher_variables() -> None:
+    for name in _launcher_variables():
+        del os.environ[name]
+
+
 def pytest_configure(config):
     hide_cuda()  # before any test: none of them (nor the processes they start) sees a GPU
+    _drop_launcher_variables()  # the session (and its session-scoped fixtures) starts outside any launcher
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before any fixture of the test is set up, module-, class- and session-scoped ones
+    included: a variable an earlier test set (``entrypoint`` exports the run's name and seed
+    into ``os.environ``, which no monkeypatch undoes) does not reach them, nor the processes
+    they start."""
+    _drop_launcher_variables()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -45,10 +69,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch, tmp_path):
-    """Each test starts outside any launcher, in its own directory."""
-    for name in list(os.environ):
-        if name.startswith(("DREAM_TRAINER_", "SLURM_")) or name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            monkeypatch.delenv(name)
+    """Each test starts outside any launcher (see `pytest_runtest_setup`: also before its
+    wider-scoped fixtures), in its own directory."""
+    for name in _launcher_variables():  # set by a wider-scoped fixture: removed for the test
+        monkeypatch.delenv(name)
     monkeypatch.chdir(tmp_path)
     yield
     import torch.distributed as dist

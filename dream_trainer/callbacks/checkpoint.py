@@ -93,11 +93,8 @@ class CheckpointCallback(Callback[BaseTrainer]):
     def post_configure(self) -> None:
         """Resume here: models, optimizers, schedulers and dataloaders exist, and the
         other callbacks see the restored state from `pre_setup` on."""
-        trainer, world = self.trainer, self.trainer.world
-        explicit = self.params.root_dir
-        # A world sharing the run (a replica group) has its own directory under an explicit
-        # root too; the default root lies in the run directory, which already follows it.
-        self.root = Path(explicit) / (world.run_subdirectory or "") if explicit else trainer.run_dir / "checkpoints"
+        world = self.trainer.world
+        self.root = self.checkpoint_root()
         if world.cluster.num_nodes > 1:  # before any step: a node-local root fails here, on every rank
             check_shared_root(world, self.root, world.cluster.node_rank)
         self.every_n_steps = self._schedule(world.checkpoint_interval)
@@ -113,6 +110,25 @@ class CheckpointCallback(Callback[BaseTrainer]):
                 logger.warning("removed incomplete checkpoint %s (a save that did not finish)", stale)
         if path is not None:
             self.load(path)
+
+    def checkpoint_root(self) -> Path:
+        """Where this run's checkpoints go: ``CheckpointParameters.root_dir`` (under it, the
+        world's ``run_subdirectory``: a world sharing the run, such as a replica group, has
+        a directory of its own), else ``<run_dir>/checkpoints`` (the run directory already
+        follows the world). Known from ``pre_configure`` on."""
+        world, explicit = self.trainer.world, self.params.root_dir
+        return Path(explicit) / (world.run_subdirectory or "") if explicit else self.trainer.run_dir / "checkpoints"
+
+    def resume_roots(self) -> list[Path]:
+        """The checkpoint roots a resume looks in: with ``resume_mode="last"`` this run's
+        root and those of the worlds it shares the run with (the world's ``resume_roots``),
+        with ``"best"`` this run's root, else none (a path, or no resume). Known from
+        ``pre_configure`` on; `RunRecordCallback` checks the saved configuration against
+        exactly these."""
+        mode = self.params.resume_mode
+        if mode == "last":
+            return [Path(r) for r in self.trainer.world.resume_roots(self.checkpoint_root())]
+        return [self.checkpoint_root()] if mode == "best" else []
 
     def _schedule(self, needed: int | None) -> int | None:
         """``every_n_steps`` in force: the world's `checkpoint_interval` when it needs one
@@ -300,7 +316,7 @@ class CheckpointCallback(Callback[BaseTrainer]):
         root the world refuses (one leading out of the run) is an error for every rank."""
         assert self.root is not None
         try:
-            infos = [info for root in self.trainer.world.resume_roots(self.root) for info in list_checkpoints(root)]
+            infos = [info for root in self.resume_roots() for info in list_checkpoints(root)]
         except Exception as exc:  # noqa: BLE001 - sent to every rank, raised there
             return exc
         own = self.root.resolve()

@@ -20,7 +20,8 @@ class ProgressBarCallback(RankZeroCallback[ProgressTrainer]):
     Shows the optimizer step, the last logged loss and learning rate, tqdm's rate, and the
     short fields monitors publish in ``trainer.display_fields`` (e.g. memory use).
     When the epoch length is unknown (an iterable loader without ``__len__``) the total is
-    estimated from the previous epoch and marked with ``~``.
+    estimated, and marked with ``~``: from the previous epoch, else (the first epoch) from
+    ``TrainingParameters.train_steps_per_epoch_hint``.
 
     Args:
         enabled: True to always show, False never; None (default) shows it only when
@@ -44,12 +45,18 @@ class ProgressBarCallback(RankZeroCallback[ProgressTrainer]):
         return bool(getattr(stream, "isatty", lambda: False)())
 
     def estimated_total(self) -> tuple[int | None, bool]:
-        """(batches in this epoch, whether that number is an estimate)."""
+        """(batches in this epoch, whether that number is an estimate): the agreed epoch
+        length; else the previous epoch's batches; else the configured
+        ``train_steps_per_epoch_hint`` (the estimate `trainer.total_steps` plans with)."""
         trainer: Any = self.trainer
         known = getattr(trainer, "train_steps_per_epoch", None)
         if known is not None:
             return known, False
-        return getattr(trainer, "last_epoch_batches", None), True
+        previous = getattr(trainer, "last_epoch_batches", None)
+        if previous is not None:
+            return previous, True
+        training = getattr(trainer, "training_parameters", None)
+        return getattr(training, "train_steps_per_epoch_hint", None), True
 
     def pre_train_epoch(self) -> None:
         from tqdm.auto import tqdm
@@ -92,6 +99,3 @@ class ProgressBarCallback(RankZeroCallback[ProgressTrainer]):
     def on_teardown(self, status: str) -> None:
         self._close()
 
-
-ProgressBar = ProgressBarCallback
-"""`ProgressBarCallback` under dream-trainer's name (the same class)."""

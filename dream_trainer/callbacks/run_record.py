@@ -59,15 +59,15 @@ class RunRecordCallback(Callback[BaseTrainer]):
 
 
 def _will_resume(trainer: Any) -> bool:
+    """Whether the run's `CheckpointCallback` will resume: from a checkpoint path it was
+    given, or from a checkpoint under the roots it resumes from (its ``resume_roots()``)."""
     from dream_trainer.callbacks.checkpoint import CheckpointCallback
 
     for callback in trainer.callbacks:
         if isinstance(callback, CheckpointCallback) and callback.params.resume_mode is not None:
-            mode = callback.params.resume_mode
-            if mode not in ("last", "best"):
+            if callback.params.resume_mode not in ("last", "best"):
                 return True
-            root = Path(callback.params.root_dir) if callback.params.root_dir else trainer.run_dir / "checkpoints"
-            return bool(list_checkpoints(root)) if root.is_dir() else False
+            return any(root.is_dir() and bool(list_checkpoints(root)) for root in callback.resume_roots())
     return False
 
 

@@ -192,7 +192,11 @@ class Callback(Generic[TrainerT]):
         that makes it pass (e.g. a `pre_train_step` that now splits or shrinks the batch);
         else the error ends the run."""
 
-    def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None: ...
+    def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
+        """After ``training_step`` on this (micro-)batch (not for a skipped batch). The
+        counters have already advanced: ``trainer.local_batches`` is ``batch_idx + 1``, and
+        on the last micro-batch of an optimizer step ``trainer.global_step`` counts that step
+        (not after a skipped step)."""
 
     def on_step_end(self, step: int) -> None:
         """An optimizer step ended: after its last micro-batch's `post_train_step`, before
