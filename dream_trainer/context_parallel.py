@@ -89,6 +89,18 @@ class ContextParallel:
         return type(tensors)(out) if isinstance(tensors, (tuple, list)) else out[0]
 
     @contextlib.contextmanager
+    def sharded_step(self, inputs: Any, target: Any, device: torch.device) -> Iterator[tuple[Any, Any]]:
+        """Within: this rank's part of the sequences of `inputs` and `target` (`shard`;
+        tuples are sharded as one), and attention as ring attention (`region`) while the
+        step runs, forward and backward. Yields the sharded ``(inputs, target)``."""
+        if isinstance(inputs, torch.Tensor):
+            inputs, target = self.shard((inputs, target))
+        else:
+            inputs, target = self.shard(inputs), self.shard(target)
+        with self.region(device):
+            yield inputs, target
+
+    @contextlib.contextmanager
     def region(self, device: torch.device) -> Iterator[None]:
         """Within: SDPA is ring attention over the group, and `sequence_positions` gives
         this rank's positions (of the last `shard`)."""

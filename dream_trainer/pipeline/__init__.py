@@ -1,6 +1,7 @@
 """Pipeline parallelism (`torch.distributed.pipelining`) on the mesh's ``pp`` dimension:
 the plan (schedules, expected bubbles, the automatic choice, the layer split) and the
-stages (the cut of a declared model, and the schedule that runs them)."""
+stages (the cut of a declared model, and the schedule that runs them), and a trainer's
+`PipelineRuntime` (its stages, from the cut to the running pipeline)."""
 
 from dream_trainer.pipeline.plan import (
     SCHEDULES,
@@ -11,7 +12,8 @@ from dream_trainer.pipeline.plan import (
     split_layers,
     stage_ids,
 )
+from dream_trainer.pipeline.runtime import PipelineRuntime, check_untied
 from dream_trainer.pipeline.stages import Pipeline, PipelineLayout, StageLayers, cut
 
-__all__ = ["SCHEDULES", "Pipeline", "PipelineChoice", "PipelineLayout", "PipelineParameters", "StageLayers",
-           "choose_schedule", "cut", "expected_bubble", "split_layers", "stage_ids"]
+__all__ = ["SCHEDULES", "Pipeline", "PipelineChoice", "PipelineLayout", "PipelineParameters", "PipelineRuntime",
+           "StageLayers", "check_untied", "choose_schedule", "cut", "expected_bubble", "split_layers", "stage_ids"]

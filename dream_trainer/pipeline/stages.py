@@ -45,7 +45,7 @@ class StageLayers(nn.Module):
     """The layers of a model that a rank holds, under their original indices (``"3"``):
     iterating yields them in order, as the full ``nn.ModuleList`` would."""
 
-    def __init__(self, layers: Iterable[tuple[int, nn.Module]]):
+    def __init__(self, layers: Iterable[tuple[int, nn.Module | None]]):
         super().__init__()
         for index, layer in layers:
             self.add_module(str(index), layer)
@@ -60,7 +60,7 @@ class StageLayers(nn.Module):
         return list(self._modules.values())[position]  # type: ignore[return-value]
 
 
-def layer_list(model: nn.Module, layout: PipelineLayout) -> nn.Module:
+def layer_list(model: nn.Module, layout: PipelineLayout) -> nn.ModuleList | StageLayers:
     """The model's layer list, checked: a ``ModuleList`` (or `StageLayers`)."""
     layers = _get(model, layout.layers, "layers")
     if not isinstance(layers, (nn.ModuleList, StageLayers)):

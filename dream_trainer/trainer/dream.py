@@ -1,9 +1,12 @@
-"""`DreamTrainer`: `BaseTrainer` plus the standard model-build pipeline.
+"""`DreamTrainer`: `BaseTrainer` plus the standard model-build sequence, and the step API
+(`DreamTrainer.forward_backward`, `DreamTrainer.forward_loss`) that runs the same
+``training_step`` with or without pipeline or context parallelism.
 
 ``configure()`` runs, in this order::
 
     configure_models()            under the meta device: no memory, no init cost
     callbacks.post_configure_models(models)   still on meta: callbacks may replace modules
+    cut into this rank's pipeline stages      if pipeline_parallel > 1 (`PipelineRuntime`)
     apply_tensor_parallel(tp)     if tensor_parallel > 1
     apply_activation_checkpointing()   if checkpoint_activations
     apply_compile()               if compile_model
@@ -11,6 +14,7 @@
       or apply_replicate(dp)      if dp_replicate > 1  (DDP)
     materialize on the world's device, seed, init_weights()
     callbacks.post_init_weights(models)       initialize what a callback added
+    start the pipeline (pp > 1), the context-parallel sharding (context_parallel > 1)
     configure_optimizers() -> configure_schedulers() -> configure_dataloaders()
 
 What was compiled and what was sharded is recorded: ``trainer.compiled_modules`` and
@@ -22,18 +26,21 @@ needs one the subclass does not implement, configure fails before building anyth
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from collections.abc import Iterable
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dream_trainer.context_parallel import ContextParallel
+from dream_trainer.pipeline import Pipeline, PipelineLayout, PipelineRuntime
+from dream_trainer.pipeline.runtime import LossFn
 from dream_trainer.trainer.base import BaseTrainer, _must_override
-from dream_trainer.trainer.pipelined import PipelineMixin
 from dream_trainer.trainer.records import BuildRecord, CompiledModule
 from dream_trainer.trainer.weights import full_size_parameters, shared_parameters, tie
 from dream_trainer.utils import seed_everything
@@ -41,20 +48,42 @@ from dream_trainer.utils import seed_everything
 logger = logging.getLogger(__name__)
 
 
-class DreamTrainer(PipelineMixin, BaseTrainer):
+class DreamTrainer(BaseTrainer):
     """A trainer that builds models on the meta device and parallelizes them from config.
 
     Attributes:
         build: what was compiled, sharded and converted to float8 (`BuildRecord`), read
             through `compiled_modules`, `fsdp_modules` and `float8` too.
+        pipeline_runtime: pipeline parallelism (`PipelineRuntime`): the plan, this rank's
+            stages and the running pipeline (read as `pipeline`); idle when
+            ``pipeline_parallel == 1``.
+        context_parallel: the sequence sharding and ring attention of a
+            ``context_parallel > 1`` run (`ContextParallel`, which `forward_backward` and
+            `forward_loss` apply), None otherwise.
     """
 
     required_methods = ("configure_models", "configure_optimizers", "configure_dataloaders", "training_step")
     applies_context_parallel = True
 
+    pipeline_layout: ClassVar[PipelineLayout | None] = None
+    """Where the model's layers are, what runs before and after them: needed for
+    ``pipeline_parallel > 1`` (`PipelineLayout`)."""
+
+    context_parallel_seq_dim: ClassVar[int] = 1
+    """The sequence dimension of a step's inputs and targets (``(batch, sequence)`` token
+    ids: 1), what context parallelism shards."""
+
     def __init__(self, config: Any):
         super().__init__(config)
         self.build = BuildRecord()
+        self.pipeline_runtime = PipelineRuntime()
+        self.context_parallel: ContextParallel | None = None
+
+    @property
+    def pipeline(self) -> Pipeline | None:
+        """This rank's stages and schedule, when the run is pipeline parallel (None
+        otherwise, and before `configure`)."""
+        return self.pipeline_runtime.pipeline
 
     @property
     def compiled_modules(self) -> dict[str, CompiledModule]:
@@ -100,6 +129,47 @@ class DreamTrainer(PipelineMixin, BaseTrainer):
             raise KeyError(f"no model named {model!r}; the trainer has: {list(self.named_models())}")
         return dict(self.build.sharded.get(model, {}))
 
+    # ================================================================== the step API
+    def forward_backward(self, model: nn.Module, inputs: Any, target: Any, loss_fn: LossFn) -> torch.Tensor:
+        """``loss_fn(model(inputs), target)``, then `backward` of it; the loss (detached).
+        Pipeline parallel: the batch runs through every stage in micro-batches, by the
+        schedule (forward and backward interleaved), and its mean loss reaches every rank.
+        Context parallel: each rank runs its part of the sequences, and the loss is the
+        sequences' mean. Use it in ``training_step``: the same code runs with and without
+        either."""
+        if self.pipeline is None:
+            with self._sequence_shards(inputs, target) as (inputs, target):
+                loss = loss_fn(model(*inputs) if isinstance(inputs, tuple) else model(inputs), target)
+                self.backward(loss)
+            return self._context_mean(loss.detach())
+        self._before_backward()
+        loss = self.pipeline_runtime.train_step(inputs, target, loss_fn, self.gradient_accumulation_steps)
+        self._after_loss(loss)
+        return loss
+
+    def forward_loss(self, model: nn.Module, inputs: Any, target: Any, loss_fn: LossFn) -> torch.Tensor:
+        """``loss_fn(model(inputs), target)`` with no backward (validation); pipeline
+        parallel, the batch's mean loss through every stage, on every rank."""
+        if self.pipeline is None:
+            with self._sequence_shards(inputs, target) as (inputs, target):
+                loss = loss_fn(model(*inputs) if isinstance(inputs, tuple) else model(inputs), target)
+            return self._context_mean(loss)
+        return self.pipeline.eval_step(inputs, target, loss_fn)
+
+    def _sequence_shards(self, inputs: Any, target: Any) -> AbstractContextManager[tuple[Any, Any]]:
+        """Context parallel: this rank's part of the sequences, and ring attention while
+        the step runs (`ContextParallel.sharded_step`); otherwise `inputs` and `target`."""
+        if self.context_parallel is None:
+            return contextlib.nullcontext((inputs, target))
+        return self.context_parallel.sharded_step(inputs, target, self.world.device)
+
+    def _context_mean(self, loss: torch.Tensor) -> torch.Tensor:
+        """Context parallel: each rank's loss is its tokens' mean (equal shares); the
+        sequences' mean on every rank of the group (a collective, no host sync)."""
+        if self.context_parallel is None:
+            return loss
+        return self.world.all_reduce(loss.clone(), "mean", group=self.context_parallel.group)
+
     # ================================================================== user hooks
     @_must_override
     def configure_models(self) -> None:
@@ -112,12 +182,14 @@ class DreamTrainer(PipelineMixin, BaseTrainer):
         ``torch.no_grad()`` after seeding). Default: each model's ``init_weights()`` if it
         has one, else ``reset_parameters()`` of every submodule that has it."""
         for model in self.named_models().values():
-            if callable(getattr(model, "init_weights", None)):
-                model.init_weights()
+            init = getattr(model, "init_weights", None)
+            if callable(init):
+                init()
                 continue
             for module in model.modules():
-                if callable(getattr(module, "reset_parameters", None)):
-                    module.reset_parameters()
+                reset = getattr(module, "reset_parameters", None)
+                if callable(reset):
+                    reset()
 
     @_must_override
     def configure_optimizers(self) -> None:
@@ -166,7 +238,7 @@ class DreamTrainer(PipelineMixin, BaseTrainer):
 
                 replicate(model, process_group=dp_mesh.get_group())
 
-    # ================================================================== pipeline
+    # ================================================================== the build sequence
     def _require(self, hook: str, because: str) -> None:
         if getattr(type(self), hook) is getattr(DreamTrainer, hook):
             raise NotImplementedError(
@@ -197,14 +269,14 @@ class DreamTrainer(PipelineMixin, BaseTrainer):
             self.apply_compile()
             self._record_compiled()
         if plan.dp_shard > 1 or plan.cp > 1:  # context-parallel ranks shard the parameters too
-            self._for_each_stage(lambda: self.apply_fully_shard(world.fsdp_config))
+            self.pipeline_runtime.for_each_stage(self, lambda: self.apply_fully_shard(world.fsdp_config))
             self.build.record_sharded(self.named_models())
         elif plan.dp_replicate > 1:
-            self._for_each_stage(lambda: self.apply_replicate(world.get_mesh("dp_replicate")))
+            self.pipeline_runtime.for_each_stage(self, lambda: self.apply_replicate(world.get_mesh("dp_replicate")))
 
         self.materialize()  # init_weights(), then callbacks.post_init_weights(models)
         if plan.pp > 1:
-            self._start_pipeline()
+            self.pipeline_runtime.start(world.device, world.get_mesh("pp").get_group())
         if plan.cp > 1:
             self.context_parallel = ContextParallel(world.get_mesh("cp"), self.context_parallel_seq_dim)
 
@@ -220,6 +292,31 @@ class DreamTrainer(PipelineMixin, BaseTrainer):
                     f"or None, got {type(loaders).__name__}"
                 )
             self.train_dataloader, self.val_dataloader = loaders
+
+    def _plan_pipeline(self) -> None:
+        """Choose the schedule and cut the meta-device model into this rank's part
+        (`PipelineRuntime.plan`), before anything is allocated."""
+        world = self.world
+        layout, pp = self.pipeline_layout, world.plan.pp
+        if layout is None:
+            raise NotImplementedError(
+                f"DeviceParameters.pipeline_parallel={pp}, but {type(self).__name__} declares no pipeline_layout: set "
+                "pipeline_layout = PipelineLayout(layers='blocks', first=(...), last=(...)) on the trainer class")
+        self.pipeline_runtime.plan(self, layout, world.device_parameters.pipeline, pp=pp,
+                                   pp_rank=world.get_mesh("pp").get_local_rank(), batch=self._pipeline_batch,
+                                   sharded=world.plan.dp_shard > 1)
+
+    def _pipeline_batch(self) -> int:
+        """Samples in each batch a rank trains on (what the micro-batches must divide)."""
+        from dream_trainer.data.tokens import split_global_batch
+
+        training = self.training_parameters
+        if training.global_batch_size is not None:
+            return split_global_batch(training.global_batch_size, self.world.dp_size, training.micro_batch_size)[0]
+        if training.micro_batch_size is not None:
+            return int(training.micro_batch_size)
+        raise ValueError("pipeline parallelism needs the batch size before the model is built: set "
+                         "TrainingParameters.global_batch_size (or micro_batch_size)")
 
     def _check_configuration(self) -> None:
         """Fail before building anything: a hook the configuration needs is missing, or
@@ -273,7 +370,8 @@ class DreamTrainer(PipelineMixin, BaseTrainer):
             seed_everything(self.seed)
         with torch.no_grad():
             if self.world.device_parameters.weight_init == "full":
-                with self._whole_model() as whole, full_size_parameters([*models.values(), *whole], self.world.device):
+                whole_model = self.pipeline_runtime.whole_model(self, self.world.device)
+                with whole_model as whole, full_size_parameters([*models.values(), *whole], self.world.device):
                     self.init_weights()
                     self.callbacks.post_init_weights(models)
             else:  # "sharded": DTensor's random ops on each shard (CUDA; checked in configure)

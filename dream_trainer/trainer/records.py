@@ -1,6 +1,6 @@
 """`BuildRecord`: what was done to a trainer's models — the regions compiled, the modules
 sharded, the models converted to float8 — and the compile time measured while training. A
-component of `DreamTrainer` (``trainer.build``) with no trainer in it: the build pipeline
+component of `DreamTrainer` (``trainer.build``) with no trainer in it: the build sequence
 and the plug-ins that change or measure the models record here through its methods, and
 readers (`CompileMonitorCallback`, `FindGraphBreaksCallback`, `PerformanceReportCallback`, an
 ``apply_tensor_parallel`` choosing float8 styles) read it. No plug-in reads or writes

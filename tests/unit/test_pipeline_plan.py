@@ -105,14 +105,14 @@ def test_the_cut_keeps_names_shares_modules_and_leaves_the_model_whole():
 
 
 def test_tied_first_and_last_modules_are_refused():
-    from dream_trainer.trainer.pipelined import _check_untied
+    from dream_trainer.pipeline import check_untied
 
     net = _Net()
     net.head = nn.Linear(2, 4)
     net.head.weight = net.emb.weight  # tied
     with pytest.raises(ValueError, match=r"\['head'\] share weights with \['emb'\] \(tied embeddings\)"):
-        _check_untied(net, PipelineLayout(layers="blocks", first=("emb",), last=("head",)))
-    _check_untied(_Net(), PipelineLayout(layers="blocks", first=("emb",), last=("head",)))  # untied: fine
+        check_untied(net, PipelineLayout(layers="blocks", first=("emb",), last=("head",)))
+    check_untied(_Net(), PipelineLayout(layers="blocks", first=("emb",), last=("head",)))  # untied: fine
 
 
 def test_zero_bubble_is_left_out_with_sharded_stages():

@@ -1,0 +1,148 @@
+"""`PipelineRuntime`: one trainer's pipeline parallelism, from the cut of its model to the
+running `Pipeline`.
+
+With ``DeviceParameters.pipeline_parallel = p > 1`` the model a trainer builds on the meta
+device is cut, by its `PipelineLayout`, into stages; each rank keeps its stages' layers
+under their original names (the model attribute now holds that part), the parallelization
+hooks run on it (FSDP2/replicate per stage), the weights are initialized on the whole
+model (a single process's, from the same seed) and the rest is dropped.
+
+The runtime holds no trainer: the object that holds the model (the trainer) is passed to
+each call that reads or swaps the model attribute (`PipelineLayout.model`), and what it
+needs from the world (the pipeline rank, the device, the process group) is passed in."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from dream_trainer.pipeline.plan import PipelineChoice, PipelineParameters, choose_schedule, split_layers, stage_ids
+from dream_trainer.pipeline.stages import Pipeline, PipelineLayout, cut, layer_list
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class PipelineRuntime:
+    """The pipeline state of one trainer, built in three calls at fixed points of its
+    model build: `plan` (cut the meta-device model), `whole_model` (initialize the weights
+    on the whole model) and `start` (the running `Pipeline`); `for_each_stage` runs a
+    parallelization hook per stage in between. Before `plan` (a run that is not pipeline
+    parallel) every call is a no-op and `pipeline` is None.
+
+    Attributes:
+        layout: the layout the model was cut by (None before `plan`).
+        stage_ids: the indices of this rank's stages among all `n_stages`.
+        n_stages: the number of stages of the whole pipeline (0 before `plan`).
+        choice: the schedule, stages per rank and micro-batches (`choose_schedule`).
+        stages: this rank's stage modules, in `stage_ids` order (views of the model).
+        whole: the whole model, from `plan` until its weights are initialized.
+        pipeline: the running stages and schedule, once `start` ran.
+    """
+
+    def __init__(self) -> None:
+        self.layout: PipelineLayout | None = None
+        self.stage_ids: list[int] = []
+        self.n_stages = 0
+        self.choice: PipelineChoice | None = None
+        self.stages: list[nn.Module] = []
+        self.whole: nn.Module | None = None
+        self.pipeline: Pipeline | None = None
+
+    def plan(self, holder: object, layout: PipelineLayout, params: PipelineParameters, *, pp: int, pp_rank: int,
+             batch: Callable[[], int], sharded: bool = False) -> None:
+        """Choose the schedule and cut the meta-device model (``holder.<layout.model>``)
+        into this rank's part, which replaces it on `holder` (before anything is allocated:
+        a bad split or micro-batch count fails here). `batch` gives the samples in each
+        batch a rank trains on (asked once the model is checked); `sharded`: FSDP2 inside
+        the stages (``dp_shard > 1``)."""
+        whole = getattr(holder, layout.model, None)
+        if not isinstance(whole, nn.Module):
+            raise AttributeError(f"pipeline_layout.model={layout.model!r}: the trainer has no such model")
+        layers = layer_list(whole, layout)
+        check_untied(whole, layout)
+        choice = choose_schedule(params, pp, batch(), len(layers), sharded)
+        logger.info(choice.describe(pp))
+        n_stages = pp * choice.stages_per_rank
+        sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+        ranges = split_layers(len(layers), n_stages, params.split, sizes)
+        mine = stage_ids(choice.schedule, pp_rank, pp, choice.stages_per_rank)
+        held = sorted(i for s in mine for i in ranges[s])
+        part = cut(whole, layout, held, 0 in mine, n_stages - 1 in mine)
+        stages = [part] if len(mine) == 1 else [cut(part, layout, ranges[s], s == 0, s == n_stages - 1) for s in mine]
+        self.layout, self.whole, self.stages = layout, whole, stages
+        self.stage_ids, self.n_stages, self.choice = mine, n_stages, choice
+        setattr(holder, layout.model, part)
+        logger.info("pipeline rank %d holds stage(s) %s: layers %s", pp_rank, mine, [list(ranges[s]) for s in mine])
+
+    def for_each_stage(self, holder: object, apply: Callable[[], None]) -> None:
+        """Run a parallelization hook once per stage, the model attribute of `holder`
+        holding that stage (one stage per rank, or no pipeline: once, as it is)."""
+        if self.layout is None or len(self.stages) <= 1:
+            apply()
+            return
+        name = self.layout.model
+        part = getattr(holder, name)
+        try:
+            for stage in self.stages:
+                setattr(holder, name, stage)
+                apply()
+        finally:
+            setattr(holder, name, part)
+
+    @contextlib.contextmanager
+    def whole_model(self, holder: object, device: torch.device) -> Iterator[list[nn.Module]]:
+        """While weights are initialized: the model attribute of `holder` holds the whole
+        model (this rank's part shares its modules), allocated on `device`, so that
+        ``init_weights`` draws what one process draws from the same seed; the rest is
+        dropped after. Yields ``[whole model]`` (``[]`` when there is none)."""
+        whole, layout = self.whole, self.layout
+        if whole is None or layout is None:
+            yield []
+            return
+        part = getattr(holder, layout.model)
+        for module in whole.modules():  # what other ranks hold (this rank's part is allocated)
+            own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            if any(t.is_meta for t in own):
+                module.to_empty(device=device, recurse=False)
+        setattr(holder, layout.model, whole)
+        try:
+            yield [whole]
+        finally:
+            setattr(holder, layout.model, part)
+            self.whole = None
+
+    def start(self, device: torch.device, group: Any) -> Pipeline:
+        """The running `Pipeline` of the planned stages on `device`, over `group` (the
+        mesh's ``pp`` process group)."""
+        if self.choice is None:
+            raise RuntimeError("PipelineRuntime.start() before plan(): there are no stages to run")
+        self.pipeline = Pipeline(self.stages, self.stage_ids, self.n_stages, self.choice, device, group)
+        return self.pipeline
+
+    def train_step(self, inputs: Any, target: Any, loss_fn: LossFn, accumulation: int = 1) -> torch.Tensor:
+        """`Pipeline.train_step` of the batch, its loss scaled by 1/`accumulation` for the
+        gradients (``gradient_accumulation_steps``); the batch's mean loss, unscaled."""
+        if self.pipeline is None:
+            raise RuntimeError("PipelineRuntime.train_step() before start(): the run is not pipeline parallel")
+        if accumulation < 1:
+            raise ValueError(f"accumulation={accumulation!r} is invalid: expected gradient accumulation steps >= 1")
+        scaled = loss_fn if accumulation == 1 else (lambda out, tgt: loss_fn(out, tgt) / accumulation)
+        loss = self.pipeline.train_step(inputs, target, scaled)
+        return loss * accumulation if accumulation > 1 else loss
+
+
+def check_untied(model: nn.Module, layout: PipelineLayout) -> None:
+    """The first stage's modules and the last's cannot share a weight (a tied embedding
+    and head): they are on different ranks."""
+    first = {id(p) for path in layout.first for p in model.get_submodule(path).parameters()}
+    tied = [path for path in layout.last if any(id(p) in first for p in model.get_submodule(path).parameters())]
+    if tied:
+        raise ValueError(f"pipeline_layout: {tied} share weights with {list(layout.first)} (tied embeddings), which "
+                         "would be on different pipeline stages: untie them, or use pipeline_parallel=1")
