@@ -1,9 +1,9 @@
 """Trainers: `AbstractTrainer` (counters, accessors), `BaseTrainer` (the loop) and
-`DreamTrainer` (the model-build pipeline)."""
+`DreamTrainer` (the model-build sequence)."""
 
 from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.trainer.base import BaseTrainer
-from dream_trainer.launch import EXIT_FAILED, EXIT_PREEMPTED
+from dream_trainer.exits import EXIT_FAILED, EXIT_PREEMPTED
 from dream_trainer.trainer.control import ControlPlane, TrainingInterrupted
 from dream_trainer.trainer.dream import CompiledModule, DreamTrainer
 from dream_trainer.trainer.metrics import LogRecursionError

@@ -20,7 +20,8 @@ import torch
 from dream_trainer.protocol.base import StopTraining
 from dream_trainer.protocol.collection import CallbackCollection
 from dream_trainer.configs import LoggingParameters, TrainerConfig, TrainingParameters
-from dream_trainer.launch import RunIdentity, default_run_name, exit_code_for, record_exit_code
+from dream_trainer.exits import exit_code_for, record_exit_code
+from dream_trainer.run_identity import RunIdentity, default_run_name
 from dream_trainer.trainer.metric_log import MetricLog
 from dream_trainer.trainer.metrics import MetricsMixin
 from dream_trainer.trainer.control import ControlPlane, TrainingInterrupted
@@ -182,7 +183,8 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         self.step_path.timeout_relaxed = False
         failure: BaseException | None = None  # a critical callback's error at the end
         try:
-            self._lifecycle()
+            self._start()
+            self._run()
         except StopTraining as stop:
             self.control.drain()
             self._stopped(stop)
@@ -199,9 +201,9 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         if failure is not None:
             raise failure
 
-    def _lifecycle(self) -> None:
-        """launch, configure, setup, the fit loop and post_fit, with the control points
-        where every rank acts on the agreed requests."""
+    def _start(self) -> None:
+        """launch, configure and setup, with the control points where every rank acts on
+        the agreed requests."""
         cb = self.callbacks
         cb.initialize(self)
         cb.pre_launch()
@@ -223,9 +225,28 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         self.setup()
         cb.post_setup()
         self._control_point()
+
+    def _run(self) -> None:
+        """pre_fit, a sanity validation, the epochs and post_fit."""
+        cb, training = self.callbacks, self.training_parameters
         try:
             cb.pre_fit()
-            self._fit_loop()
+            if self.val_dataloader is not None and training.num_sanity_val_steps and not self.resumed:
+                self._validate(sanity=True)
+            self._control_point()  # requests from pre_fit and the sanity check
+            while not self._done():
+                cb.pre_epoch()
+                cb.pre_train_epoch()
+                cb.post_train_epoch(self._train_epoch())
+                if training.validate_at_epoch_end and self._last_val_step != self.global_step:
+                    self._validate()
+                if self.val_dataloader is None:
+                    self._step_metric_schedulers()
+                cb.post_epoch()
+                self.current_epoch += 1
+                self.local_batches = 0
+                self.data_position.epoch_complete = False
+                self._control_point()
             self._control_point()  # the last steps' requests: every rank ends alike
             self.status = "completed"
         except StopTraining as stop:
@@ -290,26 +311,6 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
                 f"(required: {', '.join(self.required_methods)})"
             )
 
-    def _fit_loop(self) -> None:
-        training = self.training_parameters
-        if self.val_dataloader is not None and training.num_sanity_val_steps and not self.resumed:
-            self._validate(sanity=True)
-        self._control_point()  # requests from pre_fit and the sanity check
-        while not self._done():
-            cb = self.callbacks
-            cb.pre_epoch()
-            cb.pre_train_epoch()
-            result = self._train_epoch()
-            cb.post_train_epoch(result)
-            if training.validate_at_epoch_end and self._last_val_step != self.global_step:
-                self._validate()
-            if self.val_dataloader is None:
-                self._step_metric_schedulers()
-            cb.post_epoch()
-            self.current_epoch += 1
-            self.local_batches = 0
-            self.data_position.epoch_complete = False
-            self._control_point()
 
     def _done(self) -> bool:
         training = self.training_parameters
@@ -360,19 +361,51 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
 
     def _train_on(self, batch: Any, batch_idx: int, is_last: bool) -> tuple[torch.Tensor | None, bool]:
         """One (micro-)batch: its step and hooks, its log, and at the end of an optimizer
-        step validation and the control point. ``(its scalar loss or None, max_steps reached)``."""
-        training, cb, log_ = self.config.training_parameters, self.callbacks, self.metric_log
-        step, max_steps = self.global_step + 1, training.max_steps
+        step validation and the control point. ``(its scalar loss or None, max_steps reached)``.
+        The common step runs inline (``fit`` -> `_run` -> `_train_epoch` -> here ->
+        ``training_step`` -> `step`); a step the callbacks may retry goes through `_train_batch`."""
+        accumulating, log_kind = self._open_batch(batch, batch_idx, is_last)
+        batch = self.world.transfer(batch)
+        cb, stats = self.callbacks, self.step_path.stats
+        if cb.recovers_errors:
+            skipped, result, loss = self._train_batch(batch, batch_idx, accumulating)
+        else:
+            batch = cb.pre_train_step(batch, batch_idx)
+            skipped = cb.skips_batches and self._skip_batch(ends_step=not accumulating)
+            result, loss = {}, None
+            if not skipped:
+                started = time.perf_counter()
+                try:
+                    if accumulating or cb.has_train_context or self.world.train_context() is not None:
+                        result = self._run_step(self.training_step, batch, batch_idx, "train_context", accumulating)
+                    else:  # no context to enter
+                        result = detach_result(self.training_step(batch, batch_idx), "training_step")
+                finally:
+                    stats.compute_s += time.perf_counter() - started
+                loss = stats.add_loss(result.get("loss"))
+        return loss, self._close_batch(batch_idx, accumulating, log_kind, skipped, result)
+
+    def _open_batch(self, batch: Any, batch_idx: int, is_last: bool) -> tuple[bool, int]:
+        """The counters and flags of a new micro-batch and its arrival in the step's
+        telemetry: ``(accumulating, log step kind)``."""
+        step, max_steps = self.global_step + 1, self.config.training_parameters.max_steps
         self.local_batches = batch_idx + 1
         accumulating = not is_last and (batch_idx + 1) % self.gradient_accumulation_steps != 0
         self.is_accumulating_gradients = accumulating
         self.is_last_batch = is_last or (not accumulating and max_steps is not None and step >= max_steps)
         log_kind = self._log_step_kind(step)
-        kind = 0 if accumulating else log_kind
-        log_.gate = kind > 0
+        self.metric_log.gate = not accumulating and log_kind > 0
         self._batch_arrived(batch, step)
-        batch = self.world.transfer(batch)
-        skipped, result, loss = self._train_batch(batch, batch_idx, accumulating)
+        return accumulating, log_kind
+
+    def _close_batch(self, batch_idx: int, accumulating: bool, log_kind: int, skipped: bool,
+                     result: dict[str, Any]) -> bool:
+        """After the micro-batch's step: the step's end, `post_train_step`, `on_step_end`,
+        the log, and at the end of an optimizer step validation and the control point.
+        Whether ``max_steps`` is reached."""
+        training, cb, log_ = self.config.training_parameters, self.callbacks, self.metric_log
+        step, max_steps = self.global_step + 1, training.max_steps
+        kind = 0 if accumulating else log_kind
         means = log_.step_means(step, result, accumulating) if log_kind == 2 and not skipped else None
         step_skipped = not accumulating and self._end_step()
         log = kind > 0 and not step_skipped
@@ -385,13 +418,13 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
             log_.send_step(own)
         log_.gate = None
         if accumulating:
-            return loss, False
+            return False
         validated = training.val_every_n_steps is not None and self.validation_due
         if validated:
             self._validate()
             self.step_path.step_end = time.perf_counter()  # a step's time leaves validation out
         self._control_point(blocking=validated)
-        return loss, max_steps is not None and self.global_step >= max_steps
+        return max_steps is not None and self.global_step >= max_steps
 
     @property
     def validation_due(self) -> bool:

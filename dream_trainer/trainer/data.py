@@ -50,12 +50,12 @@ class DataMixin(AbstractTrainer):
         """Micro-batches per optimizer step: derived from ``global_batch_size`` for this
         world (once it is up), else ``TrainingParameters.gradient_accumulation_steps``."""
         derived = self.data_position.accumulation_steps
-        return self.training_parameters.gradient_accumulation_steps if derived is None else derived  # type: ignore[attr-defined]
+        return self.config.training_parameters.gradient_accumulation_steps if derived is None else derived
 
     def _plan_batches(self) -> None:
         """With ``global_batch_size``: the micro-batch and the accumulation for this world's
         data-parallel size (refused, naming the sizes that work, before anything is built)."""
-        training = self.training_parameters  # type: ignore[attr-defined]
+        training = self.config.training_parameters
         if training.global_batch_size is None:
             return
         micro, accumulation = split_global_batch(training.global_batch_size, self.world.dp_size, training.micro_batch_size)
@@ -90,7 +90,7 @@ class DataMixin(AbstractTrainer):
         A plan: steps that are skipped (vetoes, skipped batches) do not shorten it. The same
         on every rank (it is computed from the configuration and the agreed epoch length),
         known from ``post_setup`` on, and cheap (no communication): read it anywhere."""
-        training = self.training_parameters  # type: ignore[attr-defined]
+        training = self.config.training_parameters
         by_epochs = None
         batches = self.data_position.planned_epoch_batches(training.train_steps_per_epoch_hint)
         if training.n_epochs is not None and batches is not None:

@@ -44,7 +44,7 @@ class MetricsMixin(AbstractTrainer):
     def _log_step_kind(self, step: int) -> int:
         """2: a log step of the trainer (its own metrics are logged); 1: a log step of a
         callback's own interval (only what was logged is sent); 0: not a log step."""
-        if step % self.logging_parameters.log_every_n_steps == 0:  # type: ignore[attr-defined]
+        if step % self.config.logging_parameters.log_every_n_steps == 0:
             return 2
         intervals = self.callbacks.log_intervals
         return 1 if intervals and any(step % interval == 0 for interval in intervals) else 0
@@ -97,10 +97,10 @@ class MetricsMixin(AbstractTrainer):
         else:
             stats.world_samples, stats.world_tokens = stats.total_samples, stats.total_tokens
         metrics: dict[str, Any] = {**scalars, "train/epoch": float(self.current_epoch)}
-        if self.logging_parameters.log_lr:  # type: ignore[attr-defined]
+        if self.config.logging_parameters.log_lr:
             for name, lr in stats.lr.items():
                 metrics["train/lr" if len(stats.lr) == 1 else f"train/lr/{name}"] = lr
-        params = self.logging_parameters, self.training_parameters  # type: ignore[attr-defined]
+        params = self.config.logging_parameters, self.config.training_parameters
         if params[0].log_grad_norm or params[1].gradient_clip_val is not None:
             for name, norm in stats.grad_norm.items():
                 metrics["train/grad_norm" if len(stats.grad_norm) == 1 else f"train/grad_norm/{name}"] = norm

@@ -109,7 +109,7 @@ class StepMixin(AbstractTrainer):
             clip = self.config.training_parameters.gradient_clip_val
             if clip is not None:
                 norm = stats.grad_norm[name] = world.clip_grad_norm_(route.params, clip)
-                stats.clipped[name] = norm > clip  # a device bool: no sync
+                stats.clip_limit[name] = clip  # `stats.clipped` compares when read
             elif path.grad_norm_wanted or (self.metric_log.gate and self.config.logging_parameters.log_grad_norm):
                 norm = stats.grad_norm[name] = world.total_gradient_norm(route.params)
             vetoes = cb.pre_optimizer_step(model, optimizer)  # type: ignore[arg-type]
@@ -376,7 +376,7 @@ class StepMixin(AbstractTrainer):
         """Schedulers stepped with a metric (``ReduceLROnPlateau``) need
         `TrainingParameters.scheduler_monitor`: checked at setup, not at the first step."""
         schedulers = self._metric_schedulers()
-        if schedulers and getattr(self.training_parameters, "scheduler_monitor", None) is None:
+        if schedulers and getattr(self.config.training_parameters, "scheduler_monitor", None) is None:
             raise ValueError(
                 f"scheduler(s) {sorted(schedulers)} ({type(next(iter(schedulers.values()))).__name__}) step on a "
                 "metric: set TrainingParameters(scheduler_monitor=...) to a logged metric, e.g. 'val/loss'"
@@ -389,7 +389,7 @@ class StepMixin(AbstractTrainer):
         schedulers = self._metric_schedulers()
         if not schedulers:
             return
-        monitor = self.training_parameters.scheduler_monitor
+        monitor = self.config.training_parameters.scheduler_monitor
         if monitor not in self.logged_metrics:
             raise KeyError(
                 f"TrainingParameters.scheduler_monitor={monitor!r} has not been logged by step {self.global_step}; "

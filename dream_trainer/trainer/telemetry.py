@@ -29,7 +29,9 @@ class StepStats:
             tensor). Computed when clipping, on log steps with ``log_grad_norm``, or on every
             step once something called ``trainer.request_grad_norm()`` — once per step,
             shared by every reader.
-        clipped: per optimizer name, whether clipping scaled the gradients (a device bool).
+        clipped: per optimizer name, whether clipping scaled the gradients (a device bool,
+            made when read: a step pays for it only where something reads it).
+        clip_limit: per optimizer name, the norm gradients were clipped to (a clipped step).
         lr: per optimizer name, the learning rate this step used (its first param group's,
             read before the schedulers stepped).
         samples: samples in this step on this rank (``trainer.count_batch``).
@@ -57,7 +59,7 @@ class StepStats:
     micro_batches: int = 0
     loss_sum: torch.Tensor | None = None
     grad_norm: dict[str, torch.Tensor] = field(default_factory=dict)
-    clipped: dict[str, torch.Tensor] = field(default_factory=dict)
+    clip_limit: dict[str, float] = field(default_factory=dict)
     lr: dict[str, float] = field(default_factory=dict)
     samples: int = 0
     tokens: int | None = None
@@ -72,6 +74,10 @@ class StepStats:
     skipped: str | None = None
     backward_sum: torch.Tensor | None = None
     backward_count: int = 0
+
+    @property
+    def clipped(self) -> dict[str, torch.Tensor]:
+        return {name: self.grad_norm[name] > limit for name, limit in self.clip_limit.items()}
 
     @property
     def backward_loss(self) -> torch.Tensor | None:
@@ -92,7 +98,7 @@ class StepStats:
         self.micro_batches = self.samples = 0
         self.loss_sum = self.tokens = self.skipped = self.backward_sum = None
         self.backward_count = 0
-        self.grad_norm, self.clipped, self.lr = {}, {}, {}
+        self.grad_norm, self.clip_limit, self.lr = {}, {}, {}
         self.data_wait_s = self.compute_s = self.optimizer_s = 0.0
 
     def add_backward(self, loss: torch.Tensor) -> None:

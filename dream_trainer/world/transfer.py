@@ -29,12 +29,14 @@ class BatchTransfer:
 
     Attributes:
         device: where batches go (None before `start`).
+        moves: whether batches need moving (`device` is not the CPU).
         copies: host-to-device tensor copies issued so far (a test can count them).
         pageable_bytes: bytes copied from pageable (unpinned) host memory so far.
     """
 
     def __init__(self) -> None:
         self.device: torch.device | None = None
+        self.moves = False  # whether batches need moving (a device that is not the CPU)
         self._stream: Any = None
         self.copies = 0
         self.pageable_bytes = 0
@@ -43,12 +45,8 @@ class BatchTransfer:
     def start(self, device: torch.device) -> None:
         """Send batches to `device` from now on (a CUDA device gets its copy stream)."""
         self.device = device
+        self.moves = device.type != "cpu"
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    @property
-    def moves(self) -> bool:
-        """Whether batches need moving (not on the CPU)."""
-        return self.device is not None and self.device.type != "cpu"
 
     def __call__(self, batch: Any) -> Any:
         """`batch` with every tensor on the device (nested lists, tuples and dicts keep their

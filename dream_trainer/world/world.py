@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import os
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
@@ -32,6 +33,10 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 
 _GRAD_PLANS_KEPT = 8
 """Parameter lists whose gradient grouping `DistributedWorld` keeps (one per optimizer)."""
+
+
+_GRAD = operator.attrgetter("grad")
+_NONE = type(None)
 
 
 def _gradient_kind(grad: torch.Tensor) -> tuple[Any, ...]:
@@ -341,14 +346,14 @@ class DistributedWorld:
         kind (a gradient's kind follows its parameter: dtype, device, mesh and placements)."""
         if isinstance(parameters, list):
             cached = self._grad_plans.get(id(parameters))
-            if cached is not None and len(cached[0]) == len(parameters) and all(
-                    a is b for a, b in zip(cached[0], parameters)):
-                grads = [p.grad for p in parameters]
-                if all(g is not None for g in grads):
+            if cached is not None and len(cached[0]) == len(parameters) and all(map(operator.is_, cached[0], parameters)):
+                grads = list(map(_GRAD, parameters))
+                if _NONE not in map(type, grads):  # every parameter has a gradient
                     plan = cached[1]
-                    if all(_gradient_kind(grads[idx[0]]) == kind for kind, idx in plan):
-                        if len(plan) == 1:
+                    if len(plan) == 1:
+                        if _gradient_kind(grads[0]) == plan[0][0]:
                             return [grads]
+                    elif all(_gradient_kind(grads[idx[0]]) == kind for kind, idx in plan):
                         return [[grads[i] for i in idx] for _, idx in plan]
         else:
             parameters = list(parameters)
@@ -401,7 +406,6 @@ class DistributedWorld:
         """
         return self._norm_of_groups(self._gradient_groups(parameters), norm_type)
 
-    @torch.no_grad()
     def clip_grad_norm_(
         self, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
@@ -415,9 +419,15 @@ class DistributedWorld:
         exactly the parameters whose gradients were non-finite before it."""
         groups = self._gradient_groups(parameters)
         total = self._norm_of_groups(groups, norm_type)
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0).nan_to_num_(0.0)  # a device op: no sync
+        # In place on a fresh tensor, no sync: max_norm / (total + eps), at most 1, NaN -> 0.
+        coefficient = (total + 1e-6).reciprocal_().mul_(max_norm).clamp_(max=1.0).nan_to_num_(0.0)
         for grads in groups:
-            torch._foreach_mul_(grads, coefficient.to(grads[0].device))
+            if grads[0].requires_grad:  # gradients of a create_graph backward: not recorded
+                with torch.no_grad():
+                    torch._foreach_mul_(grads, coefficient.to(grads[0].device))
+            else:
+                torch._foreach_mul_(grads, coefficient if coefficient.device == grads[0].device
+                                    else coefficient.to(grads[0].device))
         return total
 
     # ------------------------------------------------------------------ the run's files (seams)

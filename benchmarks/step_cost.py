@@ -1,0 +1,259 @@
+"""The framework's own cost per step, in µs, on a model too small to matter.
+
+A 4-layer MLP 16 wide, batch 32 from a `DataLoader` over an in-memory `TensorDataset`, AdamW,
+gradient clipping at 1.0, one thread. Variants, each a fresh model from the same initial
+weights, a fresh optimizer and a fresh loader over the same data:
+
+    raw          the hand-written loop: forward, backward, clip_grad_norm_, step, zero_grad
+    dream        a DreamTrainer doing the same in training_step (self.backward, self.step),
+                 with its default logging (loss and learning rate every 50 steps)
+    dream+20cb   the same with 20 callbacks that each override six per-step hooks with no-ops
+    lightning    a LightningModule doing the same under lightning.Trainer (no logger, progress
+                 bar, summary or checkpointing), when `lightning` is installed
+
+Each run trains `--epochs` epochs of `--steps` steps, timed from inside (an epoch-start /
+epoch-end hook: setup is not measured), in this thread's CPU time (`time.thread_time`, which
+leaves out what other processes on a shared machine take); a run's time per step is that of
+its fastest epoch but the first (warm-up), as `timeit` takes the best of its repeats: a
+busy machine only ever slows an epoch down. Rounds run every variant once, in
+rotating order; the cost of a variant is the median over rounds of (its µs per step - raw's µs
+per step in the same round).
+
+    python benchmarks/step_cost.py            # ~1 minute
+    python benchmarks/step_cost.py --smoke    # seconds (what CI runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from dream_trainer import Callback, DeviceParameters, DreamTrainer, TrainerConfig, TrainingParameters
+
+from common import machine, write_json  # noqa: E402  (benchmarks/common.py)
+
+TARGETS_US = {"dream": 20.0, "dream+20cb": 25.0}
+
+
+def build_model(width: int, depth: int) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers.append(nn.Linear(width, 1))
+    return nn.Sequential(*layers)
+
+
+def make_loader(data: tuple[torch.Tensor, torch.Tensor], batch: int) -> DataLoader[Any]:
+    return DataLoader(TensorDataset(*data), batch_size=batch, shuffle=False)
+
+
+def raw_run(init: dict[str, torch.Tensor], data: Any, args: argparse.Namespace) -> list[float]:
+    """CPU seconds (this thread's) of each epoch of the hand-written loop."""
+    model = build_model(args.width, args.depth)
+    model.load_state_dict(init)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader, params = make_loader(data, args.batch_size), list(model.parameters())
+    epochs = []
+    for _ in range(args.epochs):
+        start = time.thread_time()
+        for x, y in loader:
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        epochs.append(time.thread_time() - start)
+    return epochs
+
+
+class NoOp(Callback[Any]):
+    """Overrides six per-step hooks with no-ops."""
+
+    def pre_train_step(self, batch: Any, batch_idx: int) -> None: ...
+    def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None: ...
+    def pre_optimizer_step(self, model: Any, optimizer: Any) -> None: ...
+    def post_optimizer_step(self, model: Any, optimizer: Any) -> None: ...
+    def pre_optimizer_zero_grad(self, model: Any, optimizer: Any) -> None: ...
+    def on_log(self, metrics: dict[str, float], step: int) -> None: ...
+
+
+class EpochTimer(Callback[Any]):
+    """The CPU time (this thread's) of each training epoch, from inside the loop."""
+
+    def __init__(self) -> None:
+        self.epochs: list[float] = []
+        self._t0 = 0.0
+
+    def pre_train_epoch(self) -> None:
+        self._t0 = time.thread_time()
+
+    def post_train_epoch(self, result: dict[str, Any]) -> None:
+        self.epochs.append(time.thread_time() - self._t0)
+
+
+class CostTrainer(DreamTrainer):
+    def __init__(self, config: TrainerConfig, init: dict[str, torch.Tensor], data: Any, args: argparse.Namespace):
+        super().__init__(config)
+        self.init, self.data, self.args = init, data, args
+
+    def configure_models(self) -> None:
+        self.model = build_model(self.args.width, self.args.depth)
+
+    def init_weights(self) -> None:
+        self.model.load_state_dict(self.init)
+
+    def configure_optimizers(self) -> None:
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+
+    def configure_dataloaders(self) -> tuple[Any, None]:
+        return make_loader(self.data, self.args.batch_size), None
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.model(x), y)
+        self.backward(loss)
+        self.step(self.optimizer)
+        return {"loss": loss}
+
+
+def dream_run(init: dict[str, torch.Tensor], data: Any, args: argparse.Namespace, callbacks: int,
+              root: str) -> list[float]:
+    timer = EpochTimer()
+    config = TrainerConfig(
+        root_dir=root, device_parameters=DeviceParameters.SINGLE_DEVICE(),
+        training_parameters=TrainingParameters(n_epochs=args.epochs, num_sanity_val_steps=0, validate_at_epoch_end=False,
+                                               gradient_clip_val=1.0),
+        callbacks=[timer, *(NoOp() for _ in range(callbacks))],
+    )
+    CostTrainer(config, init, data, args).fit()
+    return timer.epochs
+
+
+def lightning_run(init: dict[str, torch.Tensor], data: Any, args: argparse.Namespace, root: str) -> list[float]:
+    import lightning as L
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = build_model(args.width, args.depth)
+            self.model.load_state_dict(init)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.model(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+
+    class Timer(L.Callback):
+        def __init__(self) -> None:
+            self.epochs: list[float] = []
+
+        def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
+            self._t0 = time.thread_time()
+
+        def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+            self.epochs.append(time.thread_time() - self._t0)
+
+    timer = Timer()
+    trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, gradient_clip_val=1.0,
+                        num_sanity_val_steps=0, callbacks=[timer], default_root_dir=root)
+    trainer.fit(Module(), make_loader(data, args.batch_size))
+    return timer.epochs
+
+
+def lightning_available() -> bool:
+    try:
+        import lightning  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=100, help="steps per epoch")
+    p.add_argument("--epochs", type=int, default=12, help="epochs per run (the first is warm-up)")
+    p.add_argument("--width", type=int, default=16)
+    p.add_argument("--depth", type=int, default=4, help="Linear layers")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--no-lightning", action="store_true", help="leave Lightning out even when it is installed")
+    p.add_argument("--smoke", action="store_true", help="seconds: 1 round of 20-step epochs")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "step_cost.json"))
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.steps, args.epochs = 1, 10, 2
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "dream_trainer"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    init = {k: v.clone() for k, v in build_model(args.width, args.depth).state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    n = args.steps * args.batch_size
+    data = (torch.randn(n, args.width, generator=g), torch.randn(n, 1, generator=g))
+    variants = ["raw", "dream", "dream+20cb"]
+    with_lightning = lightning_available() and not args.no_lightning
+    if with_lightning:
+        variants.append("lightning")
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="step_cost_") as root:
+        for r in range(args.rounds):
+            for v in variants[r % len(variants):] + variants[: r % len(variants)]:
+                if v == "raw":
+                    epochs = raw_run(init, data, args)
+                elif v == "lightning":
+                    epochs = lightning_run(init, data, args, root)
+                else:
+                    epochs = dream_run(init, data, args, 20 if v == "dream+20cb" else 0, root)
+                times[v].append(min(epochs[1:]) / args.steps * 1e6)
+    wall = time.perf_counter() - start
+    rows = {}
+    print(f"\nthe framework's cost per step: {args.depth}-layer MLP {args.width} wide, batch {args.batch_size} from a "
+          f"DataLoader, AdamW, clipping 1.0, 1 thread; {args.rounds} round(s) of {args.epochs} epochs x {args.steps} steps; "
+          f"torch {torch.__version__}\n")
+    head = f"{'variant':<12}{'µs/step':>10}{'cost µs':>10}{'spread µs':>11}{'ratio':>8}{'target':>10}  met"
+    print(head)
+    print("-" * len(head))
+    for v in variants:
+        costs = [t - raw for t, raw in zip(times[v], times["raw"])]
+        cost = statistics.median(costs)
+        target = TARGETS_US.get(v)
+        met = None if target is None else cost <= target
+        rows[v] = {"step_us": statistics.median(times[v]), "cost_us": cost, "costs_us": costs,
+                   "cost_spread_us": max(costs) - min(costs), "ratio": statistics.median(
+                       t / raw for t, raw in zip(times[v], times["raw"])), "target_us": target, "met": met,
+                   "step_us_rounds": times[v]}
+        print(f"{v:<12}{rows[v]['step_us']:>10.1f}{cost:>10.1f}{rows[v]['cost_spread_us']:>11.1f}"
+              f"{rows[v]['ratio']:>8.3f}{'' if target is None else f'<= {target:.0f}':>10}  "
+              f"{'' if met is None else ('yes' if met else 'NO')}")
+    if not with_lightning:
+        print("\n  lightning: not measured (not installed here; pip install lightning to add it)")
+    print("\n  cost = median over rounds of (variant's µs/step - raw's µs/step in the same round); spread = max - min\n"
+          "  of those; ratio = median of (variant / raw). A run's µs/step: its fastest epoch but the first, timed\n"
+          "  from inside the loop in this thread's CPU time.")
+    result = {"variants": rows, "settings": vars(args), "machine": machine(), "wall_s": wall,
+              "lightning": _lightning_version() if with_lightning else None}
+    write_json(result, args.out)
+    return result
+
+
+def _lightning_version() -> str:
+    import lightning
+
+    return str(lightning.__version__)
+
+
+if __name__ == "__main__":
+    main()
