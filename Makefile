@@ -30,6 +30,7 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/step_cost.py
 	$(PY) benchmarks/parallel.py
 	$(PY) benchmarks/checkpoint.py
 	$(PY) benchmarks/compile.py
