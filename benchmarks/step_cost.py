@@ -1,23 +1,23 @@
 """The framework's own cost per step, in µs, on a model too small to matter.
 
 A 4-layer MLP 16 wide, batch 32 from a `DataLoader` over an in-memory `TensorDataset`, AdamW,
-gradient clipping at 1.0, one thread. Variants, each a fresh model from the same initial
-weights, a fresh optimizer and a fresh loader over the same data:
+gradient clipping at 1.0, one thread. Framework variants, each a fresh model from the same
+initial weights, a fresh optimizer and a loader over the same data:
 
-    raw          the hand-written loop: forward, backward, clip_grad_norm_, step, zero_grad
-    dream        a DreamTrainer doing the same in training_step (self.backward, self.step),
+    dream        a DreamTrainer doing the step in training_step (self.backward, self.step),
                  with its default logging (loss and learning rate every 50 steps)
     dream+20cb   the same with 20 callbacks that each override six per-step hooks with no-ops
     lightning    a LightningModule doing the same under lightning.Trainer (no logger, progress
                  bar, summary or checkpointing), when `lightning` is installed
+    raw (A/A)    the hand-written loop against itself: the measurement's noise
 
-Each run trains `--epochs` epochs of `--steps` steps, timed from inside (an epoch-start /
-epoch-end hook: setup is not measured), in this thread's CPU time (`time.thread_time`, which
-leaves out what other processes on a shared machine take); a run's time per step is that of
-its fastest epoch but the first (warm-up), as `timeit` takes the best of its repeats: a
-busy machine only ever slows an epoch down. Rounds run every variant once, in
-rotating order; the cost of a variant is the median over rounds of (its µs per step - raw's µs
-per step in the same round).
+Paired epochs: inside each framework run, an epoch-start hook first runs one epoch of the
+hand-written loop (forward, backward, torch's clip_grad_norm_, step, zero_grad) on the run's
+own model, optimizer and data, timed on its own, then times the framework's epoch. The same
+tensors in the same memory, one right after the other, so drift and a busy machine hit both
+alike; times are this thread's CPU time (`time.thread_time`). The cost of a variant is the
+median over its epochs (the first of each run left out: warm-up) of (framework epoch - the
+raw epoch before it) / steps. Runs rotate their order over `--rounds` rounds.
 
     python benchmarks/step_cost.py            # ~1 minute
     python benchmarks/step_cost.py --smoke    # seconds (what CI runs)
@@ -56,23 +56,33 @@ def make_loader(data: tuple[torch.Tensor, torch.Tensor], batch: int) -> DataLoad
     return DataLoader(TensorDataset(*data), batch_size=batch, shuffle=False)
 
 
-def raw_run(init: dict[str, torch.Tensor], data: Any, args: argparse.Namespace) -> list[float]:
-    """CPU seconds (this thread's) of each epoch of the hand-written loop."""
-    model = build_model(args.width, args.depth)
-    model.load_state_dict(init)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader, params = make_loader(data, args.batch_size), list(model.parameters())
-    epochs = []
-    for _ in range(args.epochs):
-        start = time.thread_time()
-        for x, y in loader:
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        epochs.append(time.thread_time() - start)
-    return epochs
+def raw_epoch(model: nn.Module, opt: torch.optim.Optimizer, loader: Any) -> float:
+    """One epoch of the hand-written loop: this thread's CPU seconds."""
+    params = list(model.parameters())
+    start = time.thread_time()
+    for x, y in loader:
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return time.thread_time() - start
+
+
+class Paired:
+    """Pairs of (raw epoch, framework epoch) seconds."""
+
+    def __init__(self, data: Any, batch: int) -> None:
+        self.loader = make_loader(data, batch)
+        self.pairs: list[tuple[float, float]] = []
+        self._raw = self._t0 = 0.0
+
+    def start(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        self._raw = raw_epoch(model, opt, self.loader)
+        self._t0 = time.thread_time()
+
+    def end(self) -> None:
+        self.pairs.append((self._raw, time.thread_time() - self._t0))
 
 
 class NoOp(Callback[Any]):
@@ -86,18 +96,18 @@ class NoOp(Callback[Any]):
     def on_log(self, metrics: dict[str, float], step: int) -> None: ...
 
 
-class EpochTimer(Callback[Any]):
-    """The CPU time (this thread's) of each training epoch, from inside the loop."""
+class EpochPairs(Callback[Any]):
+    """Runs a raw epoch on the trainer's model and optimizer, then times the trainer's epoch
+    (overrides only the epoch hooks: no per-step cost)."""
 
-    def __init__(self) -> None:
-        self.epochs: list[float] = []
-        self._t0 = 0.0
+    def __init__(self, paired: Paired) -> None:
+        self.paired = paired
 
     def pre_train_epoch(self) -> None:
-        self._t0 = time.thread_time()
+        self.paired.start(self.trainer.model, self.trainer.optimizer)
 
     def post_train_epoch(self, result: dict[str, Any]) -> None:
-        self.epochs.append(time.thread_time() - self._t0)
+        self.paired.end()
 
 
 class CostTrainer(DreamTrainer):
@@ -126,19 +136,33 @@ class CostTrainer(DreamTrainer):
 
 
 def dream_run(init: dict[str, torch.Tensor], data: Any, args: argparse.Namespace, callbacks: int,
-              root: str) -> list[float]:
-    timer = EpochTimer()
+              root: str) -> list[tuple[float, float]]:
+    paired = Paired(data, args.batch_size)
     config = TrainerConfig(
         root_dir=root, device_parameters=DeviceParameters.SINGLE_DEVICE(),
-        training_parameters=TrainingParameters(n_epochs=args.epochs, num_sanity_val_steps=0, validate_at_epoch_end=False,
-                                               gradient_clip_val=1.0),
-        callbacks=[timer, *(NoOp() for _ in range(callbacks))],
+        training_parameters=TrainingParameters(n_epochs=args.epochs, num_sanity_val_steps=0,
+                                               validate_at_epoch_end=False, gradient_clip_val=1.0),
+        callbacks=[EpochPairs(paired), *(NoOp() for _ in range(callbacks))],
     )
     CostTrainer(config, init, data, args).fit()
-    return timer.epochs
+    return paired.pairs
 
 
-def lightning_run(init: dict[str, torch.Tensor], data: Any, args: argparse.Namespace, root: str) -> list[float]:
+def raw_run(init: dict[str, torch.Tensor], data: Any, args: argparse.Namespace) -> list[tuple[float, float]]:
+    """The A/A control: the hand-written loop paired with itself."""
+    model = build_model(args.width, args.depth)
+    model.load_state_dict(init)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    paired, loader = Paired(data, args.batch_size), make_loader(data, args.batch_size)
+    for _ in range(args.epochs):
+        paired.start(model, opt)
+        raw_epoch(model, opt, loader)
+        paired.end()
+    return paired.pairs
+
+
+def lightning_run(init: dict[str, torch.Tensor], data: Any, args: argparse.Namespace,
+                  root: str) -> list[tuple[float, float]]:
     import lightning as L
 
     class Module(L.LightningModule):
@@ -154,22 +178,20 @@ def lightning_run(init: dict[str, torch.Tensor], data: Any, args: argparse.Names
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.model.parameters(), lr=1e-3)
 
-    class Timer(L.Callback):
-        def __init__(self) -> None:
-            self.epochs: list[float] = []
+    paired = Paired(data, args.batch_size)
 
+    class Pairs(L.Callback):
         def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
-            self._t0 = time.thread_time()
+            paired.start(module.model, trainer.optimizers[0])
 
         def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
-            self.epochs.append(time.thread_time() - self._t0)
+            paired.end()
 
-    timer = Timer()
     trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, gradient_clip_val=1.0,
-                        num_sanity_val_steps=0, callbacks=[timer], default_root_dir=root)
+                        num_sanity_val_steps=0, callbacks=[Pairs()], default_root_dir=root)
     trainer.fit(Module(), make_loader(data, args.batch_size))
-    return timer.epochs
+    return paired.pairs
 
 
 def lightning_available() -> bool:
@@ -182,18 +204,18 @@ def lightning_available() -> bool:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=100, help="steps per epoch")
-    p.add_argument("--epochs", type=int, default=12, help="epochs per run (the first is warm-up)")
+    p.add_argument("--epochs", type=int, default=21, help="epochs per run (the first is warm-up)")
     p.add_argument("--width", type=int, default=16)
     p.add_argument("--depth", type=int, default=4, help="Linear layers")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--no-lightning", action="store_true", help="leave Lightning out even when it is installed")
-    p.add_argument("--smoke", action="store_true", help="seconds: 1 round of 20-step epochs")
+    p.add_argument("--smoke", action="store_true", help="seconds: 1 round of 3 epochs of 10 steps")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "step_cost.json"))
     args = p.parse_args(argv)
     if args.smoke:
-        args.rounds, args.steps, args.epochs = 1, 10, 2
+        args.rounds, args.steps, args.epochs = 1, 10, 3
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "dream_trainer"):
         logging.getLogger(name).setLevel(logging.ERROR)
     torch.set_num_threads(1)
@@ -202,51 +224,58 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1)
     n = args.steps * args.batch_size
     data = (torch.randn(n, args.width, generator=g), torch.randn(n, 1, generator=g))
-    variants = ["raw", "dream", "dream+20cb"]
+    variants = ["raw (A/A)", "dream", "dream+20cb"]
     with_lightning = lightning_available() and not args.no_lightning
     if with_lightning:
         variants.append("lightning")
-    times: dict[str, list[float]] = {v: [] for v in variants}
+    pairs: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="step_cost_") as root:
         for r in range(args.rounds):
             for v in variants[r % len(variants):] + variants[: r % len(variants)]:
-                if v == "raw":
-                    epochs = raw_run(init, data, args)
+                if v == "raw (A/A)":
+                    run = raw_run(init, data, args)
                 elif v == "lightning":
-                    epochs = lightning_run(init, data, args, root)
+                    run = lightning_run(init, data, args, root)
                 else:
-                    epochs = dream_run(init, data, args, 20 if v == "dream+20cb" else 0, root)
-                times[v].append(min(epochs[1:]) / args.steps * 1e6)
+                    run = dream_run(init, data, args, 20 if v == "dream+20cb" else 0, root)
+                pairs[v] += run[1:]  # the first epoch of a run: warm-up
     wall = time.perf_counter() - start
-    rows = {}
-    print(f"\nthe framework's cost per step: {args.depth}-layer MLP {args.width} wide, batch {args.batch_size} from a "
-          f"DataLoader, AdamW, clipping 1.0, 1 thread; {args.rounds} round(s) of {args.epochs} epochs x {args.steps} steps; "
-          f"torch {torch.__version__}\n")
-    head = f"{'variant':<12}{'µs/step':>10}{'cost µs':>10}{'spread µs':>11}{'ratio':>8}{'target':>10}  met"
-    print(head)
-    print("-" * len(head))
-    for v in variants:
-        costs = [t - raw for t, raw in zip(times[v], times["raw"])]
-        cost = statistics.median(costs)
-        target = TARGETS_US.get(v)
-        met = None if target is None else cost <= target
-        rows[v] = {"step_us": statistics.median(times[v]), "cost_us": cost, "costs_us": costs,
-                   "cost_spread_us": max(costs) - min(costs), "ratio": statistics.median(
-                       t / raw for t, raw in zip(times[v], times["raw"])), "target_us": target, "met": met,
-                   "step_us_rounds": times[v]}
-        print(f"{v:<12}{rows[v]['step_us']:>10.1f}{cost:>10.1f}{rows[v]['cost_spread_us']:>11.1f}"
-              f"{rows[v]['ratio']:>8.3f}{'' if target is None else f'<= {target:.0f}':>10}  "
-              f"{'' if met is None else ('yes' if met else 'NO')}")
+    rows = _table(variants, pairs, args)
     if not with_lightning:
         print("\n  lightning: not measured (not installed here; pip install lightning to add it)")
-    print("\n  cost = median over rounds of (variant's µs/step - raw's µs/step in the same round); spread = max - min\n"
-          "  of those; ratio = median of (variant / raw). A run's µs/step: its fastest epoch but the first, timed\n"
-          "  from inside the loop in this thread's CPU time.")
     result = {"variants": rows, "settings": vars(args), "machine": machine(), "wall_s": wall,
               "lightning": _lightning_version() if with_lightning else None}
     write_json(result, args.out)
     return result
+
+
+def _table(variants: list[str], pairs: dict[str, list[tuple[float, float]]], args: argparse.Namespace) -> dict[str, Any]:
+    print(f"\nthe framework's cost per step: {args.depth}-layer MLP {args.width} wide, batch {args.batch_size} from a "
+          f"DataLoader, AdamW, clipping 1.0, 1 thread; {args.rounds} round(s) of {args.epochs} epochs x {args.steps} "
+          f"steps, each epoch paired with a raw one; torch {torch.__version__}\n")
+    head = f"{'variant':<12}{'raw µs':>9}{'µs/step':>10}{'cost µs':>10}{'IQR µs':>9}{'ratio':>8}{'target':>10}  met"
+    print(head)
+    print("-" * len(head))
+    rows = {}
+    for v in variants:
+        costs = sorted((framework - raw) / args.steps * 1e6 for raw, framework in pairs[v])
+        cost = statistics.median(costs)
+        q = statistics.quantiles(costs, n=4) if len(costs) >= 2 else [cost, cost, cost]
+        target = TARGETS_US.get(v)
+        met = None if target is None else cost <= target
+        rows[v] = {"raw_step_us": statistics.median(raw for raw, _ in pairs[v]) / args.steps * 1e6,
+                   "step_us": statistics.median(f for _, f in pairs[v]) / args.steps * 1e6, "cost_us": cost,
+                   "cost_iqr_us": q[2] - q[0], "ratio": statistics.median(f / raw for raw, f in pairs[v]),
+                   "target_us": target, "met": met, "epochs": len(costs), "costs_us": costs}
+        r = rows[v]
+        print(f"{v:<12}{r['raw_step_us']:>9.1f}{r['step_us']:>10.1f}{cost:>10.1f}{r['cost_iqr_us']:>9.1f}"
+              f"{r['ratio']:>8.3f}{'' if target is None else f'<= {target:.0f}':>10}  "
+              f"{'' if met is None else ('yes' if met else 'NO')}")
+    print("\n  cost = median over epochs of (framework epoch - the raw epoch run just before it, on the same model and\n"
+          "  optimizer) / steps; IQR: its interquartile range; ratio = median of (framework / raw). raw (A/A): the\n"
+          "  raw loop against itself (the noise floor). This thread's CPU time.")
+    return rows
 
 
 def _lightning_version() -> str:

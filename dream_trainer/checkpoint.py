@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -357,16 +358,52 @@ def load_checkpoint(path: str | os.PathLike[str], template: dict[str, Any], stri
     `match_template`; returns the template."""
     path = Path(path)
     _check_format(path)
+    _check_optimizer_form(path, template)
     template = match_template(path, template, strict, _keys_of_all_ranks(template, process_group))
     _dcp_load(template, path, process_group=process_group)
     return template
 
 
-def grouped_optimizer_state(path: Path) -> bool:
-    """Whether the checkpoint at `path` holds optimizer state in DCP's grouped form
-    (``optimizers.<name>.param_groups.0.params``: dream_trainer before pipeline stages)."""
-    return any(re.match(r"optimizers\.[^.]+\.param_groups\.\d+\.params$", key)
-               for key in _read_metadata(path).state_dict_metadata)
+_GROUP_PARAMS = re.compile(r"optimizers\.([^.]+)\.param_groups\.\d+\.params$")
+
+
+def grouped_optimizer_state(path: str | os.PathLike[str], names: Collection[str] | None = None) -> list[str]:
+    """The optimizers (of `names`, when given) whose state the checkpoint at `path` holds
+    in DCP's grouped form: ``optimizers.<name>.param_groups.<i>.params`` listing parameter
+    names, what dream_trainer saved before optimizer state was keyed per parameter name
+    (`dream_trainer.migrate.flatten_optimizer_state` converts it). An optimizer's own
+    ``state_dict()`` (parameters by index) is not. Reads those lists alone, restricted."""
+    import warnings
+
+    path = Path(path)
+    keys: dict[str, list[str]] = {}
+    for key in _read_metadata(path).state_dict_metadata:
+        found = _GROUP_PARAMS.match(key)
+        if found and (names is None or found.group(1) in names):
+            keys.setdefault(found.group(1), []).append(key)
+    if not keys:
+        return []
+    params: dict[str, Any] = {key: None for group in keys.values() for key in group}
+    with warnings.catch_warnings():  # "loading in a single process": each rank reads them alone
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        _dcp_load(params, path, no_dist=True)
+    return sorted(name for name, group in keys.items()
+                  if any(isinstance(p, str) for key in group for p in params[key] or ()))
+
+
+def _check_optimizer_form(path: Path, template: dict[str, Any]) -> None:
+    """Refuse, before any loading, a checkpoint holding in DCP's grouped form the state of
+    an optimizer that `template` (the run's state) keys per parameter name."""
+    flat = [name for name, state in template.get("optimizers", {}).items()
+            if isinstance(state, dict) and "param_groups" not in state]
+    grouped = grouped_optimizer_state(path, flat) if flat else []
+    if grouped:
+        raise CheckpointError(
+            f"checkpoint {path} holds the state of optimizer(s) {', '.join(map(repr, grouped))} grouped by param "
+            "group (param_groups.<i>.params: written by a dream_trainer from before optimizer state was keyed per "
+            "parameter name), which this dream_trainer no longer loads. Convert it once, offline (nothing in it is "
+            f"unpickled; the original is kept beside it as {path.name}.grouped): python -m dream_trainer.migrate {path}"
+        )
 
 
 def _keys_of_all_ranks(template: dict[str, Any], process_group: Any) -> frozenset[str]:

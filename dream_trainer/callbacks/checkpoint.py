@@ -28,7 +28,6 @@ from dream_trainer.checkpoint import (
     CheckpointError,
     PinnedStager,
     best_of,
-    grouped_optimizer_state,
     check_shared_root,
     check_writable,
     clean_staging,
@@ -328,14 +327,11 @@ class CheckpointCallback(Callback[BaseTrainer]):
     def load(self, path: str | Path) -> None:
         """Restore the trainer from the checkpoint at `path`."""
         trainer = self.trainer
-        trainer.flat_optimizer_state = not grouped_optimizer_state(Path(path))  # an older checkpoint's form
-        try:
+        try:  # a template of the trainer's state, filled from the checkpoint, restored once
             template = load_checkpoint(Path(path), trainer.state_dict(), strict=self.params.strict)
             trainer.load_state_dict(template, strict=self.params.strict)
         except UnsafeStateError as exc:  # per-rank state, decoded by the trainer
             raise UnsafeStateError(f"checkpoint {path}: {exc}") from None
-        finally:
-            trainer.flat_optimizer_state = True
         self.resumed_from = Path(path)
         self._last_step = trainer.global_step
         logger.info("resumed from %s at step %d, epoch %d", path, trainer.global_step, trainer.current_epoch)

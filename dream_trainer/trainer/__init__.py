@@ -6,7 +6,7 @@ from dream_trainer.trainer.base import BaseTrainer
 from dream_trainer.exits import EXIT_FAILED, EXIT_PREEMPTED
 from dream_trainer.trainer.control import ControlPlane, TrainingInterrupted
 from dream_trainer.trainer.dream import CompiledModule, DreamTrainer
-from dream_trainer.trainer.metrics import LogRecursionError
+from dream_trainer.trainer.metric_log import LogRecursionError
 from dream_trainer.trainer.telemetry import StepStats
 
 __all__ = [

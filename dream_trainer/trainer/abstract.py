@@ -1,29 +1,42 @@
-"""`AbstractTrainer`: the counters and the named accessors every trainer has."""
+"""`AbstractTrainer`: the trainer's public API over its components — the counters and named
+accessors, the step API (``backward``, ``step``, ``skip_step``...: the work is its
+`Stepper`'s), the state (`TrainerState`), the data's lengths (`DataPosition`) and the
+logging API (`MetricLog`). `BaseTrainer` adds the loop."""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from abc import ABC
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from dream_trainer.configs import TrainerConfig
+from dream_trainer.configs import LoggingParameters, TrainerConfig, TrainingParameters
+from dream_trainer.trainer.metric_log import check_metrics
 from dream_trainer.trainer.model_facts import ModelFacts, dense_flops_per_token
+from dream_trainer.trainer.telemetry import StepStats, count_batch
 from dream_trainer.world.world import DistributedWorld
 
 if TYPE_CHECKING:
     from dream_trainer.protocol.collection import CallbackCollection
+    from dream_trainer.trainer.metric_log import MetricLog
+    from dream_trainer.trainer.state import TrainerState
+    from dream_trainer.trainer.data_position import DataPosition
+    from dream_trainer.trainer.step_path import StepPath
+    from dream_trainer.trainer.stepping import Stepper
 
 T = TypeVar("T")
 
 
 class AbstractTrainer(ABC):
-    """Counters and accessors shared by every trainer.
+    """The public API every trainer has, over the components it holds (the loop is
+    `BaseTrainer`'s).
 
     Attributes:
         global_step: optimizer steps taken (accumulation micro-batches do not count).
@@ -34,6 +47,13 @@ class AbstractTrainer(ABC):
     config: TrainerConfig
     world: DistributedWorld
     callbacks: CallbackCollection
+    stepper: Stepper
+    data_position: DataPosition
+    metric_log: MetricLog
+    state: TrainerState
+    is_accumulating_gradients: bool
+    validating: bool
+    sanity_checking: bool
     run_dir: Path
     train_dataloader: Iterable[Any] | None = None
     val_dataloader: Iterable[Any] | None = None
@@ -59,7 +79,7 @@ class AbstractTrainer(ABC):
 
     def named_schedulers(self) -> dict[str, LRScheduler]:
         """Every learning-rate scheduler assigned as an attribute."""
-        return self._named(LRScheduler)  # type: ignore[type-abstract]
+        return {name: value for name, value in vars(self).items() if isinstance(value, LRScheduler) and not name.startswith("_")}
 
     def model_for(self, optimizer: Optimizer) -> nn.Module | None:
         """The model whose parameters `optimizer` updates (None if no model owns them),
@@ -120,12 +140,229 @@ class AbstractTrainer(ABC):
     def model_flops_per_sample(self, value: float | None) -> None:
         self.model_facts.set_flops_per_sample(value)
 
-    # ------------------------------------------------------------------ state
-    @abstractmethod
-    def state_dict(self) -> dict[str, Any]: ...
+    # ------------------------------------------------------------------ the step API
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step: derived from ``global_batch_size`` for this
+        world (once it is up), else ``TrainingParameters.gradient_accumulation_steps``."""
+        derived = self.data_position.accumulation_steps
+        return self.config.training_parameters.gradient_accumulation_steps if derived is None else derived
 
-    @abstractmethod
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    vetoes_steps: ClassVar[bool] = False
+    """Set True on a trainer class whose own code (``training_step``) calls `skip_step`."""
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``, scaled by 1/`gradient_accumulation_steps` when accumulating.
+        With a callback that ``recovers_errors``, the ranks first agree that no rank's
+        ``training_step`` failed before its backward (see `on_train_step_error`)."""
+        self.stepper.backward(loss, self.gradient_accumulation_steps, **kwargs)
+
+    def step(self, optimizer: Optimizer, model: nn.Module | None = None) -> torch.Tensor | None:
+        """Clip, step and zero `optimizer`, then step its schedulers; a no-op while
+        accumulating. A step vetoed on any rank (`skip_step`, `pre_optimizer_step`
+        returning False) is skipped on every rank: no update, no scheduler step, gradients
+        dropped. Returns the gradient norm when one was computed (a device tensor)."""
+        if self.is_accumulating_gradients:
+            return None
+        started = time.perf_counter()
+        stepper, cb = self.stepper, self.callbacks
+        path = stepper.path
+        stats = path.stats
+        try:
+            route = path.route(optimizer, stepper.make_route)
+            owner = model if model is not None else route.model
+            norm = stepper.clip(route)  # the gradient sync seam, then clipping or the norm
+            vetoes = cb.pre_optimizer_step(owner, optimizer)
+            # What optimizer.step() sees: read after pre_optimizer_step (a warm-up may set
+            # it there); schedulers step after.
+            stats.lr[route.name] = optimizer.param_groups[0]["lr"]
+            reason = self.world.agree_on_step(stepper.agreed_skip(vetoes))  # a fault-tolerant world: the quorum's commit
+            if reason is None:
+                optimizer.step()
+                path.stepped = True
+                cb.post_optimizer_step(owner, optimizer)
+            else:
+                stats.skipped = reason
+            stepper.drop_gradients(owner, optimizer)
+            if reason is None:
+                for scheduler in route.schedulers:
+                    scheduler.step()
+            return norm
+        finally:
+            stats.optimizer_s += time.perf_counter() - started
+
+    def skip_step(self, reason: str = "skipped") -> None:
+        """Skip the coming optimizer step, on every rank (call it in ``training_step`` or
+        `pre_optimizer_step`, before ``self.step(optimizer)``). Needs ``vetoes_steps = True``
+        on the trainer class or on a callback."""
+        self.stepper.skip_step(reason)
+
+    def skip_step_if(self, flag: torch.Tensor, reason: str = "skipped") -> None:
+        """`skip_step` decided on the device: skip when `flag` (a one-element bool/number
+        tensor) is true — nonzero, NaN included, as ``bool(flag)``. Several calls are OR-ed;
+        the flag is read to the host once, at the step."""
+        self.stepper.skip_step_if(flag, reason)
+
+    def request_skip_batch(self, reason: str = "batch skipped") -> None:
+        """Skip the current batch on every rank (what `SkipBatch` raised from
+        `pre_train_step` does)."""
+        self.step_path.request_batch_skip(reason)
+
+    def request_backward_loss(self, enabled: bool = True) -> None:
+        """Record the losses passed to `backward` (``step_stats.backward_loss``) from now
+        on: a device op per backward, only for those who ask (False: stop)."""
+        self.step_path.backward_loss_wanted = enabled
+
+    def request_grad_norm(self, enabled: bool = True) -> None:
+        """Compute the pre-clip gradient norm on every step from now on
+        (``step_stats.grad_norm``), once per step for every reader (False: stop)."""
+        self.step_path.grad_norm_wanted = enabled
+
+    def count_batch(self, batch: Any) -> tuple[int, int | None]:
+        """``(samples, tokens)`` in a (micro-)batch, for ``step_stats`` and throughput.
+        Default: see `dream_trainer.trainer.telemetry.count_batch`. Override for other
+        layouts (e.g. padded sequences: count the non-padding tokens)."""
+        return count_batch(batch)
+
+    @contextmanager
+    def no_gradient_sync(self) -> Iterator[None]:
+        """Skip gradient communication for the backward passes inside (accumulation
+        micro-steps). Applies to FSDP2/``replicate`` modules; a no-op otherwise."""
+        modules = [m for m in self.named_models().values() if hasattr(m, "set_requires_gradient_sync")]
+        for module in modules:
+            module.set_requires_gradient_sync(False)
+            if hasattr(module, "set_is_last_backward"):
+                module.set_is_last_backward(False)
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.set_requires_gradient_sync(True)
+                if hasattr(module, "set_is_last_backward"):
+                    module.set_is_last_backward(True)
+
+    @property
+    def step_path(self) -> StepPath:
+        """The step's state (`StepPath`: telemetry, vetoes and skips, routes, the step
+        cycle, skipped-step counters): the stepper's."""
+        return self.stepper.path
+
+    @property
+    def step_stats(self) -> StepStats:
+        """What the step that just ended (or is running) measured: see `StepStats`."""
+        return self.step_path.stats
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped since the run started (vetoes, skipped batches)."""
+        return self.step_path.skipped_steps
+
+    @property
+    def skipped_batches(self) -> int:
+        """Batches skipped since the run started (`SkipBatch`, `request_skip_batch`)."""
+        return self.step_path.skipped_batches
+
+    @property
+    def step_skipped(self) -> bool:
+        """Whether the optimizer step that just ended was skipped (a veto or a skipped
+        batch): ``global_step`` did not advance."""
+        return self.step_path.skipped
+
+    # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------------ state, configuration
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue this run exactly: the composition of the
+        ``Stateful`` parts of `state` (`TrainerState`), for checkpoints and torchft heals."""
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        """Restore what `state_dict` returned (`TrainerState.load_state_dict`); `strict`:
+        every model and optimizer key must match."""
+        self.state.load_state_dict(state, strict)
+
+    @property
+    def training_parameters(self) -> TrainingParameters:
+        """``config.training_parameters``."""
+        return self.config.training_parameters
+
+    @property
+    def logging_parameters(self) -> LoggingParameters:
+        """``config.logging_parameters``."""
+        return self.config.logging_parameters
+
+    # ------------------------------------------------------------------ the data (`DataPosition`)
+    @property
+    def train_steps_per_epoch(self) -> int | None:
+        """The training epoch length every rank agreed on in `setup` (None: until the loader
+        is exhausted)."""
+        return self.data_position.train_steps_per_epoch
+
+    @property
+    def val_steps_per_epoch(self) -> int | None:
+        """The validation epoch length every rank agreed on in `setup`."""
+        return self.data_position.val_steps_per_epoch
+
+    @property
+    def last_epoch_batches(self) -> int | None:
+        """Batches the last finished training epoch had."""
+        return self.data_position.last_epoch_batches
+
+    @property
+    def total_steps(self) -> int | None:
+        """The optimizer steps the whole fit is planned to take, counted from step 0 (also
+        after a resume): ``max_steps``, or ``n_epochs`` x the optimizer steps per epoch, the
+        smaller when both are set. Optimizer steps per epoch = ceil(batches per epoch /
+        ``gradient_accumulation_steps``): an epoch's last, partial accumulation group steps
+        too. Batches per epoch: the epoch length the ranks agreed on in `setup`
+        (``train_steps_per_epoch``, or the smallest loader length over ranks; the smaller of
+        the two when both are known), else — a loader without a length —
+        ``TrainingParameters.train_steps_per_epoch_hint``, an estimate.
+
+        None when it is unknown: the run is bounded by epochs of a loader without a length
+        and no hint was given (or `setup` has not run: only ``max_steps`` is known before).
+        A plan: steps that are skipped (vetoes, skipped batches) do not shorten it. The same
+        on every rank (it is computed from the configuration and the agreed epoch length),
+        known from ``post_setup`` on, and cheap (no communication): read it anywhere."""
+        return self.data_position.total_steps(self.config.training_parameters, self.gradient_accumulation_steps)
+
+    # ------------------------------------------------------------------ logging (`MetricLog`)
+    @property
+    def logged_metrics(self) -> dict[str, float]:
+        """The last value of every metric sent to `on_log`."""
+        return self.metric_log.logged
+
+    @property
+    def display_fields(self) -> dict[str, str]:
+        """Short status strings monitors publish for displays (progress bar, dashboard),
+        by name: ``trainer.display_fields["mem"] = "rss: 1.2GB"``."""
+        return self.metric_log.display_fields
+
+    @property
+    def is_log_step(self) -> bool:
+        """Whether `log_dict` values are sent to `on_log` now. False inside a step that is
+        not a log step (the values are then kept for the next one): skip expensive metrics."""
+        return self.metric_log.gate is not False
+
+    def log_dict(self, metrics: dict[str, Any]) -> None:
+        """Record metrics and send them to every callback's `on_log`, from any hook.
+
+        Values are numbers or one-element tensors; anything else raises `TypeError` here.
+        Inside a training step (and its callbacks) tensors are read from the device only on
+        log steps, together with the step's own metrics and under its step number; on other
+        steps the call keeps the value (the latest per name) for the next log step — or the
+        end of the epoch — without a sync. During validation the values are averaged over
+        the run and logged at its end. From an `on_log`, the values are sent right after the
+        dispatch under way, under the same step; logging again from that nested dispatch
+        raises `LogRecursionError` (it would never end).
+        """
+        check_metrics(metrics)
+        if self.sanity_checking:  # the sanity run is not a measurement
+            return
+        self.metric_log.log(metrics, validating=self.validating)
+
+    def log_scalar(self, name: str, value: Any) -> None:
+        """`log_dict` for one value."""
+        self.log_dict({name: value})
 
     @property
     def device(self) -> torch.device:

@@ -19,18 +19,17 @@ import torch
 
 from dream_trainer.protocol.base import StopTraining
 from dream_trainer.protocol.collection import CallbackCollection
-from dream_trainer.configs import LoggingParameters, TrainerConfig, TrainingParameters
+from dream_trainer.configs import TrainerConfig
 from dream_trainer.exits import exit_code_for, record_exit_code
 from dream_trainer.run_identity import RunIdentity, default_run_name
 from dream_trainer.trainer.metric_log import MetricLog
-from dream_trainer.trainer.metrics import MetricsMixin
+from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.trainer.control import ControlPlane, TrainingInterrupted
-from dream_trainer.trainer.data import DataMixin, set_epoch
+from dream_trainer.trainer.epochs import set_epoch
 from dream_trainer.trainer.data_position import DataPosition
 from dream_trainer.trainer.fused import prefer_fused
-from dream_trainer.trainer.state import StateMixin
-from dream_trainer.trainer.stepping import StepMixin
-from dream_trainer.trainer.step_path import StepPath
+from dream_trainer.trainer.state import TrainerState
+from dream_trainer.trainer.stepping import Stepper
 from dream_trainer.trainer.telemetry import RunningMean
 from dream_trainer.utils import detach_result, seed_everything
 from dream_trainer.world.world import DistributedWorld
@@ -44,7 +43,7 @@ def _must_override(fn: Any) -> Any:
     return fn
 
 
-class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
+class BaseTrainer(AbstractTrainer):
     """The training loop. See the lifecycle in the docs (``docs/lifecycle.md``).
 
     Attributes:
@@ -72,20 +71,11 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         self.is_last_batch = False  # the current batch ends the epoch (or the run)
         self.seed: int | None = config.seed
         self.run_name: str | None = None
-        self.metric_log = MetricLog(self._send_to_callbacks)  # what was logged, what waits to be sent
-        self.step_path = StepPath()  # telemetry, vetoes and skips, optimizer routes, the step cycle
+        self.metric_log = MetricLog.for_trainer(self)  # what was logged, what waits to be sent
+        self.stepper = Stepper(self)  # the optimizer step, step control and its telemetry
         self._last_val_step: int | None = None
         self.control = ControlPlane()  # signals, stop and disable requests, agreed by every rank
-
-    @property
-    def training_parameters(self) -> TrainingParameters:
-        """``config.training_parameters``."""
-        return self.config.training_parameters
-
-    @property
-    def logging_parameters(self) -> LoggingParameters:
-        """``config.logging_parameters``."""
-        return self.config.logging_parameters
+        self.state = TrainerState(self)  # the registry of Statefuls: state_dict / load_state_dict
 
     def set_world(self, world: DistributedWorld) -> None:
         """Use `world` instead of the one built from the config: call it in `pre_launch`
@@ -144,20 +134,12 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
             raise ValueError(
                 f"{type(self).__name__} has no training data: set self.train_dataloader in configure()"
             )
-        training = self.training_parameters
-        self.train_steps_per_epoch = self._agreed_length(self.train_dataloader, training.train_steps_per_epoch, "train")
-        if self.train_steps_per_epoch == 0:
-            raise ValueError(
-                f"the training dataloader is empty (len 0 on at least one rank; dp_rank={self.world.dp_rank}, "
-                f"dp_size={self.world.dp_size}): give every data-parallel rank at least one batch"
-            )
-        self._check_loader_batches()
-        if self.val_dataloader is not None:
-            self.val_steps_per_epoch = self._agreed_length(self.val_dataloader, training.val_steps_per_epoch, "val")
+        self.data_position.agree_lengths(self.world, self.train_dataloader, self.val_dataloader,
+                                         self.training_parameters, self.gradient_accumulation_steps)
         if not self.world.global_agreement((self.seed, self.train_steps_per_epoch)):
             raise RuntimeError("ranks disagree on the seed or the epoch length; see the configuration")
-        self._check_metric_schedulers()
-        self._check_recovery()
+        self.stepper.check_metric_schedulers()
+        self.stepper.check_recovery()
 
     @_must_override
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
@@ -208,7 +190,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         cb.initialize(self)
         cb.pre_launch()
         self.world.launch()
-        self._plan_batches()  # global_batch_size: the accumulation for this world
+        self.data_position.plan_batches(self.training_parameters, self.world.dp_size)  # the accumulation for this world
         self._agree_on_run_identity()
         self._control_point()
         if self.seed is not None:
@@ -241,7 +223,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
                 if training.validate_at_epoch_end and self._last_val_step != self.global_step:
                     self._validate()
                 if self.val_dataloader is None:
-                    self._step_metric_schedulers()
+                    self.stepper.step_metric_schedulers()
                 cb.post_epoch()
                 self.current_epoch += 1
                 self.local_batches = 0
@@ -329,7 +311,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         path, position = self.step_path, self.data_position
         path.fetch_start = path.step_end = time.perf_counter()  # the first wait includes making the iterator
         try:
-            batches = self._epoch_batches()
+            batches = position.epoch_batches(self.train_dataloader, self, self.world, self.gradient_accumulation_steps)
             position.iterating = True
             for batch, is_last in batches:
                 # Read after the fetch: state restored between two steps (a torchft heal,
@@ -363,15 +345,15 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         """One (micro-)batch: its step and hooks, its log, and at the end of an optimizer
         step validation and the control point. ``(its scalar loss or None, max_steps reached)``.
         The common step runs inline (``fit`` -> `_run` -> `_train_epoch` -> here ->
-        ``training_step`` -> `step`); a step the callbacks may retry goes through `_train_batch`."""
+        ``training_step`` -> `step`); a step the callbacks may retry goes through `Stepper.recoverable`."""
         accumulating, log_kind = self._open_batch(batch, batch_idx, is_last)
         batch = self.world.transfer(batch)
         cb, stats = self.callbacks, self.step_path.stats
         if cb.recovers_errors:
-            skipped, result, loss = self._train_batch(batch, batch_idx, accumulating)
+            skipped, result, loss = self.stepper.recoverable(batch, batch_idx, accumulating, self._contexts_step)
         else:
             batch = cb.pre_train_step(batch, batch_idx)
-            skipped = cb.skips_batches and self._skip_batch(ends_step=not accumulating)
+            skipped = cb.skips_batches and self.stepper.skip_batch(ends_step=not accumulating)
             result, loss = {}, None
             if not skipped:
                 started = time.perf_counter()
@@ -393,9 +375,10 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         accumulating = not is_last and (batch_idx + 1) % self.gradient_accumulation_steps != 0
         self.is_accumulating_gradients = accumulating
         self.is_last_batch = is_last or (not accumulating and max_steps is not None and step >= max_steps)
-        log_kind = self._log_step_kind(step)
+        log_kind = self.metric_log.step_kind(step, self.config.logging_parameters.log_every_n_steps,
+                                             self.callbacks.log_intervals)
         self.metric_log.gate = not accumulating and log_kind > 0
-        self._batch_arrived(batch, step)
+        self.stepper.batch_arrived(batch, step)
         return accumulating, log_kind
 
     def _close_batch(self, batch_idx: int, accumulating: bool, log_kind: int, skipped: bool,
@@ -407,9 +390,13 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
         step, max_steps = self.global_step + 1, training.max_steps
         kind = 0 if accumulating else log_kind
         means = log_.step_means(step, result, accumulating) if log_kind == 2 and not skipped else None
-        step_skipped = not accumulating and self._end_step()
+        step_skipped = not accumulating and self.stepper.end_step()
         log = kind > 0 and not step_skipped
-        own = self._own_step_metrics(means) if kind == 2 and log and means is not None else {}
+        own: dict[str, Any] = {}
+        if kind == 2 and log and means is not None:  # the trainer's own metrics
+            logging_ = self.config.logging_parameters
+            own = log_.own_step_metrics(means, self.step_path.stats, self.world, self.current_epoch, logging_.log_lr,
+                                        logging_.log_grad_norm or training.gradient_clip_val is not None)
         if not skipped:
             cb.post_train_step(result, batch_idx)
         if not accumulating:
@@ -435,6 +422,10 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
             every is not None and self.val_dataloader is not None and self.global_step % every == 0
             and not self.step_skipped
         )
+
+    def _contexts_step(self, batch: Any, batch_idx: int, accumulating: bool) -> dict[str, Any]:
+        """``training_step`` in its contexts (what the stepper retries)."""
+        return self._run_step(self.training_step, batch, batch_idx, "train_context", accumulating)
 
     def _run_step(self, fn: Any, batch: Any, batch_idx: int, context_hook: str, no_sync: bool) -> dict[str, Any]:
         """Call a step function inside the world's and the callbacks' contexts."""
@@ -480,7 +471,7 @@ class BaseTrainer(StepMixin, MetricsMixin, DataMixin, StateMixin):
                 self.metric_log.dispatch(means)
             cb.post_validation_epoch(means)
             if not sanity:
-                self._step_metric_schedulers()
+                self.stepper.step_metric_schedulers()
             return means
         finally:
             self.validating = self.sanity_checking = False

@@ -165,7 +165,12 @@ class ControlPlane:
     def decide(self, world: _World, callbacks: _Disabler, blocking: bool = True) -> None:
         """Act on what the ranks agreed: disable failing callbacks, then raise
         `TrainingInterrupted` (a signal) or `StopTraining` (a stop request)."""
-        flags = self.local_flags() if world.world_size == 1 else self.agreed_flags(world, blocking)
+        if world.world_size == 1:  # nothing to agree on: act on this rank's requests, if any
+            if self.signal is None and self.stop_request is None and not self.disable_requests:
+                return
+            flags = self.local_flags()
+        else:
+            flags = self.agreed_flags(world, blocking)
         if not any(flags):
             return
         if flags[_DISABLE]:

@@ -142,9 +142,9 @@ class DreamTrainer(BaseTrainer):
                 loss = loss_fn(model(*inputs) if isinstance(inputs, tuple) else model(inputs), target)
                 self.backward(loss)
             return self._context_mean(loss.detach())
-        self._before_backward()
+        self.stepper.before_backward()
         loss = self.pipeline_runtime.train_step(inputs, target, loss_fn, self.gradient_accumulation_steps)
-        self._after_loss(loss)
+        self.stepper.after_loss(loss)
         return loss
 
     def forward_loss(self, model: nn.Module, inputs: Any, target: Any, loss_fn: LossFn) -> torch.Tensor:

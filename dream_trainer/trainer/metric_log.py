@@ -1,8 +1,9 @@
 """`MetricLog`: the metrics of a run — the last value sent of each (`logged`), the values
 waiting for the next log step (`pending`), the sums of a validation run, and the nested
 round of values logged from `on_log`. A component of the trainer with no trainer in it: it
-sends through the function it is given (the trainer's: every callback's `on_log` under the
-current step).
+sends through the function it is given (`MetricLog.for_trainer`: every callback's `on_log`
+under the trainer's current step), and it makes the metrics the trainer logs by itself on
+its log steps (`step_kind`, `own_step_metrics`) from what is passed in.
 
 Nothing logged is lost silently: a value that is not a number raises at the call
 (`check_metrics`); a value logged on a step that is not a log step is kept (the latest per
@@ -18,13 +19,19 @@ from __future__ import annotations
 
 import numbers
 import sys
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
 from dream_trainer.protocol.base import Callback
 from dream_trainer.utils import to_floats
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from dream_trainer.trainer.telemetry import StepStats
 
 
 class _Reducer(Protocol):
@@ -32,7 +39,31 @@ class _Reducer(Protocol):
 
     device: torch.device
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = ...) -> torch.Tensor: ...
+    def all_reduce(self, tensor: torch.Tensor, op: Literal["sum", "mean", "max", "min"] = ...) -> torch.Tensor: ...
+
+
+class _StepWorld(_Reducer, Protocol):
+    """What `MetricLog.own_step_metrics` needs of the world."""
+
+    @property
+    def dp_size(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+
+class _OnLog(Protocol):
+    def on_log(self, metrics: dict[str, float], step: int) -> None: ...
+
+
+class _LogOwner(Protocol):
+    """Where `MetricLog.for_trainer` sends: the callbacks, under the current step."""
+
+    @property
+    def callbacks(self) -> _OnLog: ...
+
+    @property
+    def global_step(self) -> int: ...
 
 
 class MetricLog:
@@ -57,6 +88,44 @@ class MetricLog:
         self._step_sums: tuple[int, dict[str, torch.Tensor], int] | None = None  # (step, sums, micro-batches)
         self.display_fields: dict[str, str] = {}  # short status strings monitors publish for displays
 
+    @classmethod
+    def for_trainer(cls, trainer: _LogOwner) -> MetricLog:
+        """The trainer's log: it sends to every callback's `on_log` under the trainer's
+        current ``global_step`` (read at the send)."""
+
+        def send(metrics: OnLogMetrics) -> None:
+            trainer.callbacks.on_log(metrics, trainer.global_step)
+
+        return cls(send)
+
+    @staticmethod
+    def step_kind(step: int, every: int, intervals: Sequence[int]) -> int:
+        """Optimizer step `step`: 2, a log step of the trainer (every `every` steps: its own
+        metrics are logged); 1, a log step of a callback's own interval (one of
+        `intervals`: only what was logged is sent); 0, not a log step."""
+        if step % every == 0:
+            return 2
+        return 1 if intervals and any(step % interval == 0 for interval in intervals) else 0
+
+    def own_step_metrics(self, result: dict[str, Any], stats: StepStats, world: _StepWorld, epoch: int,
+                         log_lr: bool, log_grad_norm: bool) -> dict[str, Any]:
+        """What the trainer logs by itself on its log steps (`step_kind` 2), made before
+        `post_train_step`: the step's scalar results (`result`, averaged over its
+        micro-batches by `step_means`) averaged over ranks, ``train/epoch``, the learning
+        rates the step used (`log_lr`) and the gradient norms (`log_grad_norm`). Sets
+        ``stats.world_samples``/``world_tokens`` (one all-reduce with the means)."""
+        scalars = {f"train/{k}": v for k, v in result.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
+        if world.dp_size > 1:
+            scalars = _world_means(scalars, stats, world)
+        else:
+            stats.world_samples, stats.world_tokens = stats.total_samples, stats.total_tokens
+        metrics: dict[str, Any] = {**scalars, "train/epoch": float(epoch)}
+        if log_lr:
+            _named_values(metrics, "train/lr", stats.lr)
+        if log_grad_norm:
+            _named_values(metrics, "train/grad_norm", stats.grad_norm)
+        return metrics
+
     def step_means(self, step: int, result: dict[str, Any], accumulating: bool) -> dict[str, Any] | None:
         """The scalar results of optimizer step `step` averaged over its micro-batches
         (device adds, no sync): None while the step accumulates, then `result` with its
@@ -80,7 +149,7 @@ class MetricLog:
         summed (during validation), sent now (outside a step, with what was kept) or kept
         for the step's log (inside a step)."""
         if self._queue is not None:  # from an on_log: right after this dispatch, same step
-            self._queue_nested(metrics)
+            self._queue_nested(self._queue, metrics)
         elif validating:
             self.accumulate(metrics)
         elif self.gate is None:
@@ -94,7 +163,7 @@ class MetricLog:
         if not metrics:
             return
         if self._queue is not None:  # logged from an on_log: sent after this dispatch
-            self._queue_nested(metrics)
+            self._queue_nested(self._queue, metrics)
             return
         self._queue = []
         try:
@@ -123,7 +192,7 @@ class MetricLog:
         self._send_fn(floats)
         self.logged.update(floats)  # with what the callbacks added or edited there
 
-    def _queue_nested(self, metrics: dict[str, Any]) -> None:
+    def _queue_nested(self, queue: list[dict[str, Any]], metrics: dict[str, Any]) -> None:
         """A log call from an `on_log`: queued for the nested round, or (from the nested
         round itself, which would never end) `LogRecursionError`."""
         if self._nested:
@@ -134,7 +203,7 @@ class MetricLog:
                 "metrics that call for it (e.g. `if 'train/loss' in metrics:`)"
             )
         pending, self.pending = self.pending, {}  # kept values go with the next dispatch
-        self._queue.append({**pending, **metrics})  # type: ignore[union-attr]
+        queue.append({**pending, **metrics})
 
     # ------------------------------------------------------------------ validation
     def start_validation(self) -> None:
@@ -185,7 +254,7 @@ class LogRecursionError(RuntimeError):
     `on_log` (which would re-dispatch without end)."""
 
 
-class OnLogMetrics(dict):  # type: ignore[type-arg]
+class OnLogMetrics(dict[str, float]):
     """The ``metrics`` dict every `on_log` receives: one dict for all the callbacks of a
     dispatch, so an entry a callback adds or edits is seen by the callbacks after it (and
     lands in ``trainer.logged_metrics``). What is put there is checked like `log_dict`
@@ -204,7 +273,7 @@ class OnLogMetrics(dict):  # type: ignore[type-arg]
         # float() reads a tensor to the host: on_log runs on log steps only.
         super().__setitem__(key, float(value))
 
-    def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+    def update(self, *args: Any, **kwargs: Any) -> None:
         for key, value in dict(*args, **kwargs).items():
             self[key] = value
 
@@ -213,20 +282,48 @@ class OnLogMetrics(dict):  # type: ignore[type-arg]
             self[key] = default
         return self[key]
 
-    def __ior__(self, other: Any) -> OnLogMetrics:  # type: ignore[override,misc]
+    def _checked_ior(self, other: Any) -> Self:
         self.update(other)
         return self
+
+    # ``metrics |= other``, checked like `update` (dict's own skips `__setitem__`). Typed Any:
+    # dict's overloads of ``|`` and ``|=`` return a plain dict.
+    __ior__: Any = _checked_ior
 
 
 def _on_log_caller() -> str:
     """The callback whose hook is running (the innermost frame whose ``self`` is a
     `Callback`), by its name in the trainer's collection. Only on the error paths."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         callback = frame.f_locals.get("self")
         if isinstance(callback, Callback):
             collection = getattr(getattr(callback, "trainer", None), "callbacks", None)
             names = [name for name, cb in collection.items() if cb is callback] if collection is not None else []
             return f"{names[0]!r} ({type(callback).__name__})" if names else repr(type(callback).__name__)
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     return "(an on_log hook)"
+
+
+def _world_means(scalars: dict[str, torch.Tensor], stats: StepStats, world: _StepWorld) -> dict[str, torch.Tensor]:
+    """`scalars` averaged over ranks and the samples/tokens totals of the data-parallel
+    ranks (``stats.world_*``), in one all-reduce."""
+    values = [v.float().reshape(()) for v in scalars.values()]
+    device = values[0].device if values else world.device
+    counts = torch.tensor([stats.total_samples, stats.total_tokens or 0], dtype=torch.float64)
+    stacked = torch.cat([torch.stack(values) if values else torch.zeros(0, device=device),
+                         counts.to(device=device, dtype=torch.float32)])
+    world.all_reduce(stacked, "sum")
+    n = len(values)
+    means = dict(zip(scalars, (stacked[:n] / world.world_size).unbind()))
+    per_dp = world.world_size // world.dp_size  # ranks that share one data shard (TP, CP)
+    totals = stacked[n:].tolist()  # read with the metrics anyway: this is a log step
+    stats.world_samples = int(round(totals[0])) // per_dp
+    stats.world_tokens = int(round(totals[1])) // per_dp if stats.total_tokens is not None else None
+    return means
+
+
+def _named_values(metrics: dict[str, Any], prefix: str, values: dict[str, Any]) -> None:
+    """``metrics[prefix]`` for one value, else ``metrics[prefix/<name>]`` for each."""
+    for name, value in values.items():
+        metrics[prefix if len(values) == 1 else f"{prefix}/{name}"] = value

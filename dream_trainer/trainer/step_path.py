@@ -13,7 +13,7 @@ What it owns (and nothing else writes):
 - the counters a checkpoint keeps: skipped steps and skipped batches.
 
 It makes no collective and reads nothing from the device but the one flag of a device-side
-veto (`take_veto`): the trainer's step path (`StepMixin`) agrees on what it returns.
+veto (`take_veto`): the `Stepper` holding it agrees on what it returns.
 """
 
 from __future__ import annotations

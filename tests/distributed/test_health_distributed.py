@@ -59,7 +59,7 @@ def _run(root, where):
     detector, params = AnomalyDetectorCallback("skip"), Params()
     # Not counted: the CPU tensors of the trainer's collectives, the DataLoader's seed (a CPU
     # generator, read when an epoch's iterator is made) and this test's own checks.
-    control_plane = ("_agree", "_any_rank", "agreed_flags", "all_gather_object", "_epoch_batches", "pre_optimizer_step")
+    control_plane = ("agree", "any_rank", "agreed_flags", "all_gather_object", "epoch_batches", "pre_optimizer_step")
     counter = HostReadCounter(ignore=lambda read: read.caller in control_plane)
     reads = StepReads(counter)
     config = TrainerConfig(root_dir=str(root), run_name="r", device_parameters=DeviceParameters.DDP(),

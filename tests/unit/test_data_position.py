@@ -36,13 +36,13 @@ def test_a_shuffled_loader_resumed_mid_epoch_continues_the_saved_order_and_rng()
     saved.open_epoch(loader)
     iterator = iter(loader)
     first = [next(iterator)[0].tolist() for _ in range(3)]
-    state, rng = saved.state_dict(loader, mid_epoch=True), rng_state()
+    state, rng = saved.rank_state(loader, mid_epoch=True), rng_state()
     rest = [batch[0].tolist() for batch in iterator]
     after = torch.rand(3)  # what the uninterrupted run draws next
 
     torch.manual_seed(123)  # the resuming process starts elsewhere
     resumed, fresh = DataPosition(), _loader(seed=999)
-    resumed.load_state_dict(state, fresh, mid_epoch=True, rng=rng)
+    resumed.load_rank_state(state, fresh, mid_epoch=True, rng=rng)
     assert _epoch(resumed, fresh, start=3) == rest
     assert len(first) == 3 and first + rest != sorted(first + rest)  # shuffled, not trivially equal
     assert torch.equal(torch.rand(3), after)
@@ -51,10 +51,10 @@ def test_a_shuffled_loader_resumed_mid_epoch_continues_the_saved_order_and_rng()
 def test_an_epoch_start_is_saved_only_mid_epoch_and_generators_always():
     position, loader = DataPosition(), _loader(seed=1)
     _epoch(position, loader)
-    at_boundary = position.state_dict(loader, mid_epoch=False)
+    at_boundary = position.rank_state(loader, mid_epoch=False)
     assert at_boundary["epoch_start"] is None and len(at_boundary["generators"]) == 1
     other = _loader(seed=5)
-    DataPosition().load_state_dict(at_boundary, other, mid_epoch=False)
+    DataPosition().load_rank_state(at_boundary, other, mid_epoch=False)
     assert torch.equal(other.generator.get_state(), loader.generator.get_state())
 
 
@@ -80,9 +80,9 @@ def test_a_stateful_loader_restores_itself_and_a_lookahead_snapshot_wins():
     next(iterator), next(iterator)
     position.snapshot(loader)  # before a lookahead
     next(iterator)
-    assert position.state_dict(loader, mid_epoch=True) == {"loader": {"position": 2}}
+    assert position.rank_state(loader, mid_epoch=True) == {"loader": {"position": 2}}
     fresh, resumed = _StatefulLoader(10), DataPosition()
-    resumed.load_state_dict({"loader": {"position": 2}}, fresh, mid_epoch=True)
+    resumed.load_rank_state({"loader": {"position": 2}}, fresh, mid_epoch=True)
     assert resumed.take_restored() is True and resumed.take_restored() is False
     assert list(fresh) == list(range(3, 11))
 
@@ -102,5 +102,5 @@ def test_a_generator_count_mismatch_warns_and_keeps_the_loader(caplog):
     loader = _loader(seed=1)
     before = loader.generator.get_state()
     with caplog.at_level(logging.WARNING, logger="dream_trainer.trainer.data_position"):
-        DataPosition().load_state_dict({"generators": []}, loader, mid_epoch=False)
+        DataPosition().load_rank_state({"generators": []}, loader, mid_epoch=False)
     assert "1 generator(s)" in caplog.text and torch.equal(loader.generator.get_state(), before)

@@ -13,7 +13,7 @@ import torch
 from dream_trainer import Callback, DeviceParameters, LoggingParameters, TrainerConfig, TrainingParameters
 from dream_trainer.callbacks.logger import LoggerCallback
 from dream_trainer.testing import RecordingCallback, ToyTrainer
-from dream_trainer.trainer.metrics import LogRecursionError
+from dream_trainer.trainer import LogRecursionError
 
 MAX_ON_LOG_CALLS = 500  # far more than a 4-step run dispatches: more means a runaway
 

@@ -110,3 +110,51 @@ def test_check_metrics_names_the_bad_value():
         check_metrics({"m": torch.ones(2)})
     with pytest.raises(TypeError, match="names are strings"):
         check_metrics({1: 1.0})
+
+
+def test_the_trainers_log_sends_to_the_callbacks_under_the_step_at_the_send():
+    class Owner:
+        global_step = 3
+
+        class callbacks:  # noqa: N801 - stands in for the trainer's callback collection
+            sent: list = []
+
+            @classmethod
+            def on_log(cls, metrics, step):
+                cls.sent.append((dict(metrics), step))
+
+    owner = Owner()
+    log = MetricLog.for_trainer(owner)
+    log.log({"a": 1})
+    owner.global_step = 4
+    log.log({"b": torch.tensor(2.0)})
+    assert Owner.callbacks.sent == [({"a": 1.0}, 3), ({"b": 2.0}, 4)]
+
+
+def test_the_kind_of_a_log_step():
+    assert MetricLog.step_kind(10, every=5, intervals=[3]) == 2  # the trainer's: its own metrics too
+    assert MetricLog.step_kind(9, every=5, intervals=[3]) == 1  # a callback's interval: what was logged
+    assert MetricLog.step_kind(7, every=5, intervals=[3]) == 0
+    assert MetricLog.step_kind(9, every=5, intervals=[]) == 0
+
+
+def test_the_trainers_own_step_metrics_on_one_rank():
+    from dream_trainer.trainer.telemetry import StepStats
+
+    class OneRank:
+        device, dp_size, world_size = torch.device("cpu"), 1, 1
+
+        def all_reduce(self, tensor, op="sum"):
+            raise AssertionError("one rank: no collective")
+
+    stats = StepStats(lr={"opt": 0.1}, grad_norm={"a": torch.tensor(1.0), "b": torch.tensor(2.0)},
+                      total_samples=12, total_tokens=48)
+    result = {"loss": torch.tensor(0.5), "logits": torch.ones(3), "note": "x"}
+    own = MetricLog(lambda m: None).own_step_metrics(result, stats, OneRank(), epoch=2, log_lr=True,
+                                                     log_grad_norm=True)
+    assert set(own) == {"train/loss", "train/epoch", "train/lr", "train/grad_norm/a", "train/grad_norm/b"}
+    assert own["train/epoch"] == 2.0 and own["train/lr"] == 0.1
+    assert (stats.world_samples, stats.world_tokens) == (12, 48)
+    quiet = MetricLog(lambda m: None).own_step_metrics(result, stats, OneRank(), epoch=0, log_lr=False,
+                                                       log_grad_norm=False)
+    assert set(quiet) == {"train/loss", "train/epoch"}

@@ -46,7 +46,7 @@ def test_six_frames_from_fit_to_the_optimizer_step(tmp_path):
         torch.optim.SGD.step = original
     assert len(seen) == 4
     chain = [name for module, name in reversed(seen[-1]) if not module.startswith("torch")]  # torch's step wrapper
-    assert chain == ["fit", "_run", "_train_epoch", "_train_on", "training_step", "step"], chain
+    assert chain == ["fit", "_run", "_train_epoch", "_train_on", "training_step", "step"], chain  # then optimizer.step
 
 
 def _framework(module: str) -> bool:
