@@ -37,23 +37,19 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from dream_trainer import Callback, DeviceParameters, DreamTrainer, TrainerConfig, TrainingParameters
+from dream_trainer import Callback, DeviceParameters, TrainerConfig, TrainingParameters
 
 from common import machine, write_json  # noqa: E402  (benchmarks/common.py)
+from overhead import BenchTrainer, NoOp, build_model  # noqa: E402  (the same model, trainer and no-op callback)
 
 TARGETS_US = {"dream": 20.0, "dream+20cb": 25.0}
 
 
-def build_model(width: int, depth: int) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for _ in range(depth - 1):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    layers.append(nn.Linear(width, 1))
-    return nn.Sequential(*layers)
-
-
 def make_loader(data: tuple[torch.Tensor, torch.Tensor], batch: int) -> DataLoader[Any]:
     return DataLoader(TensorDataset(*data), batch_size=batch, shuffle=False)
+
+
+CLIP: float | None = 1.0  # --no-clip: None, in the loop and in the trainers alike
 
 
 def raw_epoch(model: nn.Module, opt: torch.optim.Optimizer, loader: Any) -> float:
@@ -63,7 +59,8 @@ def raw_epoch(model: nn.Module, opt: torch.optim.Optimizer, loader: Any) -> floa
     for x, y in loader:
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        if CLIP is not None:
+            torch.nn.utils.clip_grad_norm_(params, CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return time.thread_time() - start
@@ -85,17 +82,6 @@ class Paired:
         self.pairs.append((self._raw, time.thread_time() - self._t0))
 
 
-class NoOp(Callback[Any]):
-    """Overrides six per-step hooks with no-ops."""
-
-    def pre_train_step(self, batch: Any, batch_idx: int) -> None: ...
-    def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None: ...
-    def pre_optimizer_step(self, model: Any, optimizer: Any) -> None: ...
-    def post_optimizer_step(self, model: Any, optimizer: Any) -> None: ...
-    def pre_optimizer_zero_grad(self, model: Any, optimizer: Any) -> None: ...
-    def on_log(self, metrics: dict[str, float], step: int) -> None: ...
-
-
 class EpochPairs(Callback[Any]):
     """Runs a raw epoch on the trainer's model and optimizer, then times the trainer's epoch
     (overrides only the epoch hooks: no per-step cost)."""
@@ -110,41 +96,16 @@ class EpochPairs(Callback[Any]):
         self.paired.end()
 
 
-class CostTrainer(DreamTrainer):
-    def __init__(self, config: TrainerConfig, init: dict[str, torch.Tensor], data: Any, args: argparse.Namespace):
-        super().__init__(config)
-        self.init, self.data, self.args = init, data, args
-
-    def configure_models(self) -> None:
-        self.model = build_model(self.args.width, self.args.depth)
-
-    def init_weights(self) -> None:
-        self.model.load_state_dict(self.init)
-
-    def configure_optimizers(self) -> None:
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-
-    def configure_dataloaders(self) -> tuple[Any, None]:
-        return make_loader(self.data, self.args.batch_size), None
-
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        x, y = batch
-        loss = nn.functional.mse_loss(self.model(x), y)
-        self.backward(loss)
-        self.step(self.optimizer)
-        return {"loss": loss}
-
-
 def dream_run(init: dict[str, torch.Tensor], data: Any, args: argparse.Namespace, callbacks: int,
               root: str) -> list[tuple[float, float]]:
     paired = Paired(data, args.batch_size)
     config = TrainerConfig(
         root_dir=root, device_parameters=DeviceParameters.SINGLE_DEVICE(),
         training_parameters=TrainingParameters(n_epochs=args.epochs, num_sanity_val_steps=0,
-                                               validate_at_epoch_end=False, gradient_clip_val=1.0),
+                                               validate_at_epoch_end=False, gradient_clip_val=CLIP),
         callbacks=[EpochPairs(paired), *(NoOp() for _ in range(callbacks))],
     )
-    CostTrainer(config, init, data, args).fit()
+    BenchTrainer(config, init, make_loader(data, args.batch_size), args).fit()  # overhead.py's trainer
     return paired.pairs
 
 
@@ -188,7 +149,7 @@ def lightning_run(init: dict[str, torch.Tensor], data: Any, args: argparse.Names
             paired.end()
 
     trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False, gradient_clip_val=1.0,
+                        enable_model_summary=False, enable_checkpointing=False, gradient_clip_val=CLIP,
                         num_sanity_val_steps=0, callbacks=[Pairs()], default_root_dir=root)
     trainer.fit(Module(), make_loader(data, args.batch_size))
     return paired.pairs
@@ -211,11 +172,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--depth", type=int, default=4, help="Linear layers")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--no-lightning", action="store_true", help="leave Lightning out even when it is installed")
+    p.add_argument("--no-clip", action="store_true", help="no gradient clipping, in the loop and the trainers")
     p.add_argument("--smoke", action="store_true", help="seconds: 1 round of 3 epochs of 10 steps")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "step_cost.json"))
     args = p.parse_args(argv)
     if args.smoke:
         args.rounds, args.steps, args.epochs = 1, 10, 3
+    global CLIP
+    CLIP = None if args.no_clip else 1.0
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "dream_trainer"):
         logging.getLogger(name).setLevel(logging.ERROR)
     torch.set_num_threads(1)
@@ -252,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def _table(variants: list[str], pairs: dict[str, list[tuple[float, float]]], args: argparse.Namespace) -> dict[str, Any]:
     print(f"\nthe framework's cost per step: {args.depth}-layer MLP {args.width} wide, batch {args.batch_size} from a "
-          f"DataLoader, AdamW, clipping 1.0, 1 thread; {args.rounds} round(s) of {args.epochs} epochs x {args.steps} "
+          f"DataLoader, AdamW, {'no clipping' if CLIP is None else f'clipping {CLIP}'}, 1 thread; {args.rounds} round(s) of {args.epochs} epochs x {args.steps} "
           f"steps, each epoch paired with a raw one; torch {torch.__version__}\n")
     head = f"{'variant':<12}{'raw µs':>9}{'µs/step':>10}{'cost µs':>10}{'IQR µs':>9}{'ratio':>8}{'target':>10}  met"
     print(head)

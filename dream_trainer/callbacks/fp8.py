@@ -162,7 +162,7 @@ class Fp8QuantizationCallback(Callback[DreamTrainer]):
         config = torchao_config(recipe, emulate=not hardware.native, fsdp_float8_all_gather=all_gather)
         converted = convert_to_float8_training(model, module_filter_fn=keep, config=config)
         if converted is not model:
-            setattr(trainer, name, converted)
+            trainer.replace_model(name, converted)
         for f in filters:
             if callable(getattr(f, "validate", None)):
                 f.validate()  # type: ignore[union-attr]

@@ -51,6 +51,7 @@ HOOKS: tuple[str, ...] = (
     "on_callback_disabled",
     "on_interrupt",
     "on_teardown",
+    "post_teardown",
 )
 """Every hook a callback can override, in lifecycle order. `CallbackCollection` has one
 dispatch method of the same name for each of them (checked when the module loads)."""
@@ -247,6 +248,12 @@ class Callback(Generic[TrainerT]):
         `pre_fit`, or a failure), with the final ``trainer.status``; before the process
         group is destroyed, but it must not run collectives (a peer may be gone). Stop
         profilers, dashboards and background threads here."""
+
+    def post_teardown(self, status: str) -> None:
+        """After the world is torn down (no process group, no collectives), on every path,
+        with the final ``trainer.status``: what must outlive the run's communication, such
+        as an upload of the final checkpoint or a notification. Errors are logged; a
+        critical callback's error fails the run (its exit code follows)."""
 
     def train_context(self) -> AbstractContextManager[Any] | None:
         """A context entered around every ``training_step`` (None: nothing to enter)."""

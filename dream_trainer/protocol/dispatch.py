@@ -62,6 +62,7 @@ class DispatchMixin:
     _h_on_callback_disabled: tuple[Callable[[str, str], None], ...]
     _h_on_interrupt: tuple[Callable[[BaseException], None], ...]
     _h_on_teardown: tuple[Callable[[str], None], ...]
+    _h_post_teardown: tuple[Callable[[str], None], ...]
 
     def pre_launch(self) -> None:
         if self._h_pre_launch:
@@ -121,6 +122,8 @@ class DispatchMixin:
 
     def pre_train_step(self, batch: Any, batch_idx: int) -> Any:
         """Returns the batch: the last replacement a callback returned, else `batch`."""
+        if not self._h_pre_train_step:
+            return batch
         for fn in self._h_pre_train_step:
             try:
                 replaced = fn(batch, batch_idx)
@@ -152,6 +155,8 @@ class DispatchMixin:
     def pre_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
         """Returns the names of the callbacks that vetoed the step (returned False)."""
         vetoes: list[str] = []
+        if not self._h_pre_optimizer_step:
+            return vetoes
         for fn in self._h_pre_optimizer_step:
             try:
                 if fn(model, optimizer) is False:
@@ -220,6 +225,11 @@ class DispatchMixin:
         """Every callback's `on_teardown` runs; like `on_interrupt`, errors are logged and
         the critical callbacks' errors returned."""
         return self._call_all(self._h_on_teardown, "on_teardown", status)
+
+    def post_teardown(self, status: str) -> list[BaseException]:
+        """Every callback's `post_teardown` runs (the world is gone); like `on_teardown`,
+        errors are logged and the critical callbacks' errors returned."""
+        return self._call_all(self._h_post_teardown, "post_teardown", status)
 
     def _call_all(self, fns: tuple[Callable[[Any], None], ...], hook: str, arg: Any) -> list[BaseException]:
         failures: list[BaseException] = []

@@ -81,6 +81,17 @@ class AbstractTrainer(ABC):
         """Every learning-rate scheduler assigned as an attribute."""
         return {name: value for name, value in vars(self).items() if isinstance(value, LRScheduler) and not name.startswith("_")}
 
+    def replace_model(self, name: str, model: nn.Module) -> None:
+        """Put `model` in the place of model `name`: what a conversion that returns a new
+        module (float8, quantization, adapters) does in ``post_configure_models``, before
+        the model is parallelized, materialized or given to an optimizer. The seam for
+        plug-ins: they never set the trainer's attributes themselves."""
+        if name not in self.named_models():
+            raise KeyError(f"no model named {name!r}; the trainer has: {list(self.named_models())}")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"replace_model({name!r}, ...) takes an nn.Module, got {type(model).__name__}")
+        setattr(self, name, model)
+
     def model_for(self, optimizer: Optimizer) -> nn.Module | None:
         """The model whose parameters `optimizer` updates (None if no model owns them),
         whatever the models' sharding state: an FSDP2 module left unsharded by a forward

@@ -255,8 +255,8 @@ class BaseTrainer(AbstractTrainer):
             raise failures[0] from interrupt
 
     def _teardown(self) -> BaseException | None:
-        """On every path: pending collectives, `on_teardown`, the world, the exit code.
-        Returns a critical callback's teardown failure (the run then failed)."""
+        """On every path: pending collectives, `on_teardown`, the world, `post_teardown`,
+        the exit code. Returns a critical callback's teardown failure (the run then failed)."""
         # No collective may outlive the run: a pending one keeps its tensors in gloo's
         # threads and can abort the process at exit. A failed run drops it unwaited (a
         # peer may be gone).
@@ -271,6 +271,9 @@ class BaseTrainer(AbstractTrainer):
         # A failed rank aborts its process group, so its peers fail at once even if this
         # process lingers (a user `except` block that keeps running).
         self.world.teardown(abort=self.status == "failed")
+        late = self.callbacks.post_teardown(self.status)  # after the world: nothing left to hang on
+        if late and self.status != "failed":
+            self.status, failure = "failed", late[0]
         record_exit_code(self.exit_code)  # entrypoint exits with it, whatever the script does
         return failure
 

@@ -41,7 +41,7 @@ from dream_trainer.context_parallel import ContextParallel
 from dream_trainer.pipeline import Pipeline, PipelineLayout, PipelineRuntime
 from dream_trainer.pipeline.runtime import LossFn
 from dream_trainer.trainer.base import BaseTrainer, _must_override
-from dream_trainer.trainer.records import BuildRecord, CompiledModule
+from dream_trainer.trainer.build_record import BuildRecord, CompiledModule
 from dream_trainer.trainer.weights import full_size_parameters, shared_parameters, tie
 from dream_trainer.utils import seed_everything
 

@@ -17,7 +17,7 @@ from dream_trainer import (
     list_checkpoints,
 )
 from dream_trainer.testing import ToyTrainer
-from dream_trainer.trainer.records import BuildRecord, CompiledModule
+from dream_trainer.trainer.build_record import BuildRecord, CompiledModule
 
 
 def test_compiled_regions_are_found_with_their_options():

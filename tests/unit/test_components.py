@@ -52,3 +52,20 @@ def test_the_state_dict_is_the_composition_of_the_components_states(tmp_path):
     trainer.data_position.epoch_complete = True  # saved after an epoch's last hooks: the resume starts the next
     other.load_state_dict(trainer.state_dict())
     assert (other.current_epoch, other.local_batches) == (2, 0)
+
+
+def test_a_plug_in_replaces_a_model_through_the_trainer_s_seam(tmp_path):
+    """A conversion that returns a new module puts it in place with `replace_model`
+    (float8 does), which refuses an unknown name or a non-module."""
+    import pytest
+    import torch
+
+    trainer = DreamTrainer(TrainerConfig(root_dir=str(tmp_path), device_parameters=DeviceParameters.SINGLE_DEVICE()))
+    trainer.model = torch.nn.Linear(2, 2)
+    new = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    trainer.replace_model("model", new)
+    assert trainer.model is new and trainer.named_models() == {"model": new}
+    with pytest.raises(KeyError, match="no model named 'head'"):
+        trainer.replace_model("head", new)
+    with pytest.raises(TypeError, match="takes an nn.Module"):
+        trainer.replace_model("model", "not a module")

@@ -80,7 +80,7 @@ def test_hook_order_two_epochs_accumulation_and_validation():
         + micro() + opt_step(log=True) + validation(2)
         + micro() + opt_step()
         + micro() + opt_step(log=True) + validation(2)
-        + ["post_train_epoch", "post_epoch", "post_fit", "on_teardown"]
+        + ["post_train_epoch", "post_epoch", "post_fit", "on_teardown", "post_teardown"]
     )
     assert rec.hooks == expected
     counts = rec.counts()
@@ -377,3 +377,69 @@ def test_autocast_from_device_parameters():
     cfg.device_parameters = DeviceParameters.SINGLE_DEVICE(autocast_dtype=torch.bfloat16)
     Spy(cfg).fit()
     assert set(dtypes) == {torch.bfloat16}
+
+
+class _AfterTheWorld(Callback):
+    """Records what it sees in the two teardown hooks; raises in post_teardown if asked."""
+
+    def __init__(self, fail=False, critical=False):
+        self.fail, self.critical, self.seen = fail, critical, []
+
+    def on_teardown(self, status):
+        self.seen.append(("on_teardown", status, self.trainer.world.torn_down_calls))
+
+    def post_teardown(self, status):
+        self.seen.append(("post_teardown", status, self.trainer.world.torn_down_calls))
+        if self.fail:
+            raise RuntimeError("upload failed")
+
+
+def _count_teardowns(trainer):
+    world = trainer.world
+    world.torn_down_calls = 0
+    original = world.teardown
+
+    def teardown(*args, **kwargs):
+        world.torn_down_calls += 1
+        return original(*args, **kwargs)
+
+    world.teardown = teardown
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_post_teardown_runs_after_the_world_is_torn_down_on_every_path(stop):
+    """An upload after the process group is gone lives in post_teardown, inside fit(): it
+    runs after world.teardown(), also when the run was stopped."""
+    class Stopper(Callback):
+        def pre_fit(self):
+            if stop:
+                raise StopTraining("enough")
+
+    after = _AfterTheWorld()
+    trainer = make([Stopper(), after], max_steps=2)
+    _count_teardowns(trainer)
+    trainer.fit()
+    status = "stopped" if stop else "completed"
+    assert after.seen == [("on_teardown", status, 0), ("post_teardown", status, 1)]
+    assert trainer.status == status
+
+
+def test_a_critical_callback_failing_in_post_teardown_fails_the_run():
+    after = _AfterTheWorld(fail=True)
+    after.critical = True
+    trainer = make([after], max_steps=2)
+    _count_teardowns(trainer)
+    with pytest.raises(RuntimeError, match="upload failed"):
+        trainer.fit()
+    assert trainer.status == "failed" and trainer.exit_code == 1
+
+
+def test_a_non_critical_callback_failing_in_post_teardown_is_logged_not_raised(caplog):
+    after = _AfterTheWorld(fail=True)
+    trainer = make([after], max_steps=2)
+    _count_teardowns(trainer)
+    with caplog.at_level(logging.ERROR):
+        trainer.fit()
+    assert trainer.status == "completed"
+    assert any("upload failed" in r.getMessage() or (r.exc_info and "upload failed" in str(r.exc_info[1]))
+               for r in caplog.records)
