@@ -7,6 +7,7 @@ snapshot, so a callback may remove itself or add another from inside a hook.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import re
 import types
@@ -115,29 +116,31 @@ class CallbackCollection(DispatchMixin):
         self._rebuild()
         return callback
 
-    def _name_of(self, key: str | Callback[Any] | type) -> str:
+    def _find(self, key: object) -> str | None:
+        """The registered name of `key` (a name, a callback class or a callback), or None."""
         if isinstance(key, str):
-            if key in self._callbacks:
-                return key
-        elif isinstance(key, type):
-            for name, callback in self._callbacks.items():
-                if isinstance(callback, key):
-                    return name
-        else:
-            for name, callback in self._callbacks.items():
-                if callback is key:
-                    return name
-        raise KeyError(f"no callback {key!r}; registered: {list(self._callbacks)}")
+            return key if key in self._callbacks else None
+        for name, callback in self._callbacks.items():
+            if isinstance(callback, key) if isinstance(key, type) else callback is key:
+                return name
+        return None
+
+    def _name_of(self, key: str | Callback[Any] | type) -> str:
+        found = self._find(key)
+        if found is not None:
+            return found
+        hint = ""
+        if isinstance(key, str):  # a name of the old scheme (`ProgressBar`) or a typo
+            close = difflib.get_close_matches(key, list(self._callbacks), n=1, cutoff=0.6)
+            longer = [name for name in self._callbacks if name == f"{key}Callback"]
+            hint = f" (did you mean {(longer or close)[0]!r}?)" if longer or close else ""
+        raise KeyError(f"no callback {key!r}{hint}; registered: {list(self._callbacks)}")
 
     def __getitem__(self, key: str | type) -> Callback[Any]:
         return self._callbacks[self._name_of(key)]
 
     def __contains__(self, key: object) -> bool:
-        try:
-            self._name_of(key)  # type: ignore[arg-type]
-        except KeyError:
-            return False
-        return True
+        return self._find(key) is not None
 
     def __iter__(self) -> Iterator[Callback[Any]]:
         return iter(self._ordered())

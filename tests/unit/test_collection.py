@@ -276,3 +276,18 @@ def test_generic_callbacks_need_small_trainer_protocols_not_a_trainer_class(tmp_
     assert ProfiledTrainer.__module__ == "dream_trainer.callbacks.profile"
     for callback in (ProfileCallback, LoggerCallback, ProgressBarCallback):
         assert getattr(callback.trainer_requirement(), "_is_protocol", False), callback
+
+
+def test_looking_a_callback_up_by_a_former_or_mistyped_name_suggests_the_registered_one():
+    import pytest
+
+    from dream_trainer.callbacks import ProgressBarCallback
+    from dream_trainer.protocol.collection import CallbackCollection
+
+    callbacks = CallbackCollection([ProgressBarCallback()])
+    with pytest.raises(KeyError, match="no callback 'ProgressBar' \\(did you mean 'ProgressBarCallback'\\?\\)"):
+        callbacks["ProgressBar"]
+    with pytest.raises(KeyError, match="did you mean 'ProgressBarCallback'"):
+        callbacks["ProgresBarCallback"]
+    with pytest.raises(KeyError, match="no callback 'Unrelated'; registered"):
+        callbacks["Unrelated"]
