@@ -26,7 +26,6 @@ from dream_trainer.protocol.base import Callback
 from dream_trainer.checkpoint import (
     STAGING_PREFIX,
     CheckpointError,
-    PinnedStager,
     best_of,
     check_shared_root,
     check_writable,
@@ -39,6 +38,7 @@ from dream_trainer.checkpoint import (
     staging_dir,
     to_remove,
 )
+from dream_trainer.checkpoint_staging import PinnedStager
 from dream_trainer.configs import CheckpointParameters
 from dream_trainer.serialization import UnsafeStateError
 from dream_trainer.trainer.base import BaseTrainer

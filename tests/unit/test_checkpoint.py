@@ -95,7 +95,7 @@ def test_async_pinned_saves_again_where_torchs_stager_closes_itself(monkeypatch)
     above (four saves) with the stager behaving so resumes exactly."""
     from torch.distributed.checkpoint.staging import DefaultStager
 
-    import dream_trainer.checkpoint as checkpoint_module
+    import dream_trainer.checkpoint_staging as checkpoint_module
 
     stage = DefaultStager._stage
 
