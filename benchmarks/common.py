@@ -1,5 +1,6 @@
 """What every benchmark script shares: the machine description, the JSON file, the spread of
-repeated measurements and a per-step timer (windows of steps: `StepWindowCallback`)."""
+repeated measurements, a per-step timer (windows of steps: `StepWindowCallback`) and a
+hand-written step paired with each framework step (`RawBeside`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +85,74 @@ class StepTimes(Callback[Any]):
         if not self.trainer.is_accumulating_gradients:
             _sync(self.trainer)
             self.times.append(self.trainer.step_stats.step_time_s)
+
+
+class RawBeside:
+    """A hand-written step run right beside each framework step, timed on its own.
+
+    `loader(batches)` is what the framework iterates: each time the framework asks for a
+    batch, one hand-written step (`step(batch)`, on the run's own model and optimizer) first
+    runs on the batch the raw loop's own iterator yields, timed on this thread's CPU clock
+    from its fetch to its last free; then the framework's batch is fetched (the framework's
+    time). Every framework step thus has its raw step next to it, on the same tensors in the
+    same memory: drift and a busy machine hit both alike, step by step, and the paired
+    difference is what the framework adds (the epoch-by-epoch pairing it replaced had a
+    spread 5-10x wider on a shared 2-core machine). `chunk` > 1 runs that many raw steps
+    together, then as many framework steps (``chunk`` = the epoch's steps: epoch pairing).
+    The framework's time of a window = its elapsed CPU time - `seconds` spent in it."""
+
+    def __init__(self, step: Callable[[Any], None], chunk: int = 1) -> None:
+        self.step, self.chunk = step, chunk
+        self.seconds = 0.0  # the raw steps' CPU time so far
+        self.wall = 0.0  # and their wall time
+        self.count = 0  # raw steps so far
+
+    def loader(self, batches: Any) -> _PairedLoader:
+        """`batches` (re-iterable, with a length), each fetch paired with a raw step."""
+        return _PairedLoader(self, batches)
+
+    def mark(self) -> tuple[float, float, float, float, int]:
+        """Now: a window's start (the clocks and the raw steps' totals)."""
+        return time.thread_time(), time.perf_counter(), self.seconds, self.wall, self.count
+
+    def window(self, start: tuple[float, float, float, float, int], steps: int) -> dict[str, float]:
+        """Since `start`, in seconds per step: ``raw``/``framework`` (this thread's CPU time) and
+        ``raw_wall``/``framework_wall`` (wall time); the framework's over its `steps`."""
+        cpu, wall = time.thread_time() - start[0], time.perf_counter() - start[1]
+        raw, raw_wall, n = self.seconds - start[2], self.wall - start[3], max(self.count - start[4], 1)
+        return {"raw": raw / n, "framework": (cpu - raw) / steps,
+                "raw_wall": raw_wall / n, "framework_wall": (wall - raw_wall) / steps}
+
+
+class _PairedLoader:
+    def __init__(self, raw: RawBeside, batches: Any) -> None:
+        self.raw, self.batches = raw, batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> _PairedFetch:
+        return _PairedFetch(self.raw, iter(self.batches), iter(self.batches))
+
+
+class _PairedFetch:
+    def __init__(self, raw: RawBeside, framework: Iterator[Any], beside: Iterator[Any]) -> None:
+        self.raw, self.framework, self.beside, self.fetched = raw, framework, beside, 0
+
+    def __iter__(self) -> _PairedFetch:
+        return self
+
+    def __next__(self) -> Any:
+        if self.fetched % self.raw.chunk == 0:
+            start, wall = time.thread_time(), time.perf_counter()
+            for _ in range(self.raw.chunk):
+                batch = next(self.beside, None)
+                if batch is None:
+                    break
+                self.raw.step(batch)
+                self.raw.count += 1
+            del batch  # freed inside the raw step's time
+            self.raw.seconds += time.thread_time() - start
+            self.raw.wall += time.perf_counter() - wall
+        self.fetched += 1
+        return next(self.framework)  # the framework's fetch: its own time

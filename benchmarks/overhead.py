@@ -15,12 +15,13 @@ optimizer on the same in-memory batches (data loading is not measured):
                 recording the backward loss every step (what the health monitors ask of it):
                 the part of dream+health that is the norm itself
 
-Everything runs in ONE thread of ONE process, interleaved epoch by epoch, so drift on a
-shared machine hits every variant alike: the trainer fits for many epochs, and a timing
-callback runs, at each epoch boundary, one epoch of the raw loop on the trainer's own model
-and optimizer (timed on its own; the same tensors in the same memory, so only the loop
-code differs) and switches the 20 no-op callbacks in or out for the trainer's next epoch
-(rotating order), and the performance callbacks likewise; and
+Everything runs in ONE thread of ONE process, step by step: the trainer fits for many epochs
+on a loader (`common.RawBeside`) that, before each batch it hands the trainer, runs one step
+of the raw loop on the trainer's own model and optimizer, timed on its own (the same tensors
+in the same memory, so only the loop code differs; drift on a shared machine hits both
+alike, step by step). A timing callback switches, at each epoch boundary, the 20 no-op
+callbacks in or out for the trainer's next epoch (rotating order), and the performance
+callbacks likewise; an epoch's trainer time is its time less its raw steps'; and
 a control variant repeats the no-callback trainer (A/A): how far its ratio strays from
 the first one's is the measurement's noise floor. The timing callback overrides only pre/post_train_epoch: no per-step cost.
 A separate check trains a fresh raw model and a fresh trainer for one epoch from the same
@@ -46,7 +47,7 @@ from torch import nn
 
 from dream_trainer import Callback, DeviceParameters, DreamTrainer, LoggingParameters, TrainerConfig, TrainingParameters
 
-from common import machine, write_json  # noqa: E402  (benchmarks/common.py)
+from common import RawBeside, machine, write_json  # noqa: E402  (benchmarks/common.py)
 
 VARIANTS = ("raw", "dream", "dream+20cb", "dream+perf", "dream+health", "dream+norm", "dream (A/A)")
 TRAINER_VARIANTS = VARIANTS[1:]
@@ -79,23 +80,30 @@ class NoOp(Callback[Any]):
     def on_log(self, metrics: dict[str, float], step: int) -> None: ...
 
 
+def raw_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> None:
+    """The hand-written loop's step."""
+    x, y = batch
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def raw_epoch(model: nn.Module, opt: torch.optim.Optimizer, batches: list[Any]) -> None:
     """The hand-written loop: one epoch."""
-    for x, y in batches:
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    for batch in batches:
+        raw_step(model, opt, batch)
 
 
 class Interleave(Callback[Any]):
-    """Times the trainer's epochs and, between them, runs a timed raw epoch and swaps the
-    no-op callbacks in or out according to the schedule."""
+    """Times the trainer's epochs, each step paired with a raw step (`RawBeside`: the trainer
+    iterates `raw.loader(batches)`), and between epochs swaps the no-op callbacks in or out
+    according to the schedule."""
 
-    def __init__(self, schedule: list[str], batches: list[Any], n_callbacks: int, out_dir: Path):
+    def __init__(self, schedule: list[str], raw: RawBeside, n_callbacks: int, out_dir: Path):
         from dream_trainer.callbacks import CompileMonitorCallback, OptimizeFSDPCallback, PerformanceReportCallback, ProfileCallback
 
-        self.schedule, self.batches, self.n_callbacks = schedule, batches, n_callbacks
+        self.schedule, self.raw, self.n_callbacks = schedule, raw, n_callbacks
         # ProfileCallback profiles 2 steps the first time it is attached (a warm-up epoch),
         # then stays attached with profiling off.
         self.perf: list[Callback[Any]] = [
@@ -110,7 +118,7 @@ class Interleave(Callback[Any]):
         self.gc_collections: dict[str, list[int]] = {v: [] for v in VARIANTS}
         self.noops = [NoOp() for _ in range(n_callbacks)]
         self._variant = "dream"
-        self._t0 = 0.0
+        self._start = raw.mark()
         self._gc0 = 0
 
     @staticmethod
@@ -119,15 +127,6 @@ class Interleave(Callback[Any]):
 
     def pre_train_epoch(self) -> None:
         epoch = self.trainer.current_epoch
-        gc0 = self._collections()
-        c0, t0 = time.thread_time(), time.perf_counter()
-        # The raw loop trains the trainer's own model and optimizer: the same tensors in the
-        # same memory, so only the loop code differs (separate models differ by a few % in
-        # speed from where their memory happens to land).
-        raw_epoch(self.trainer.model, self.trainer.optimizer, self.batches)
-        self.times["raw"].append(time.perf_counter() - t0)
-        self.cpu["raw"].append(time.thread_time() - c0)
-        self.gc_collections["raw"].append(self._collections() - gc0)
         variant = self.schedule[epoch]
         groups = ((self.noops, variant == "dream+20cb"), (self.perf, variant == "dream+perf"),
                   (self.health, variant == "dream+health"))
@@ -149,13 +148,16 @@ class Interleave(Callback[Any]):
             self.trainer.request_backward_loss(norm)
         self._variant = variant
         self._gc0 = self._collections()
-        self._c0, self._t0 = time.thread_time(), time.perf_counter()
+        self._start = self.raw.mark()
 
     def post_train_epoch(self, result: dict[str, Any]) -> None:
-        elapsed, cpu = time.perf_counter() - self._t0, time.thread_time() - self._c0
-        self.times[self._variant].append(elapsed)
-        self.cpu[self._variant].append(cpu)
-        self.gc_collections[self._variant].append(self._collections() - self._gc0)
+        steps = result["batches"]
+        w = self.raw.window(self._start, steps)  # seconds per step: scaled to the epoch
+        self.times["raw"].append(w["raw_wall"] * steps)
+        self.cpu["raw"].append(w["raw"] * steps)
+        self.times[self._variant].append(w["framework_wall"] * steps)
+        self.cpu[self._variant].append(w["framework"] * steps)
+        self.gc_collections[self._variant].append(self._collections() - self._gc0)  # its raw steps' too
 
 
 class BenchTrainer(DreamTrainer):
@@ -217,7 +219,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in range(args.rounds):
         order = list(TRAINER_VARIANTS)
         schedule += order[r % n :] + order[: r % n]  # rotate which variant goes first
-    timer = Interleave(schedule, batches, args.callbacks, Path(args.out).parent / "overhead_perf")
+    raw = RawBeside(lambda batch: raw_step(trainer.model, trainer.optimizer, batch))
+    timer = Interleave(schedule, raw, args.callbacks, Path(args.out).parent / "overhead_perf")
     config = TrainerConfig(
         root_dir=str(Path(args.out).parent / "runs"),
         device_parameters=DeviceParameters.SINGLE_DEVICE(),
@@ -227,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         logging_parameters=LoggingParameters(log_every_n_steps=args.log_every),
         callbacks=[timer],
     )
-    trainer = BenchTrainer(config, init, batches, args)
+    trainer = BenchTrainer(config, init, raw.loader(batches), args)
     start = time.perf_counter()
     trainer.fit()
     wall = time.perf_counter() - start
@@ -274,10 +277,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "gc_collections_per_epoch": timer.gc_collections[v],
         }
     print("\n  µs/step = median over epochs of wall time / steps; ratio = that / raw's; paired = median over")
-    print("  epochs of (trainer epoch / the raw epoch run just before it). cpu = the same on this thread's")
+    print("  epochs of (trainer time / its raw steps' time: each step paired with a raw one). cpu = the same on this thread's")
     print("  CPU time (time.thread_time), which leaves out time the VM or other processes took: the")
     print("  targets are checked on `cpu paired`; `vs dream` = median over rounds of (variant / dream in")
-    print("  the same round), both paired with their raw epochs; the health target is checked on `cpu` (variant /")
+    print("  the same round), both paired with their raw steps; the health target is checked on `cpu` (variant /")
     print(f"  dream+norm in the same round): {cpu_stats['vs_norm']['dream+health']:.3f}, beside the A/A noise (dream")
     print(f"  (A/A) / dream): {cpu_stats['vs_dream']['dream (A/A)']:.3f}.")
     print("  The trainer logs with its defaults (loss and lr every 10 steps); the raw loop logs nothing.")
@@ -293,8 +296,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def _stats(schedule: list[str], series: dict[str, list[float]], args: argparse.Namespace) -> dict[str, Any]:
     """Median µs/step, ratio of medians and paired ratio of one timing series, warm-up dropped.
 
-    The raw loop ran one epoch just before every trainer epoch, so raw epoch i pairs with
-    trainer epoch i (in schedule order)."""
+    Raw epoch i is the raw steps run beside trainer epoch i (in schedule order)."""
     counters = {v: 0 for v in TRAINER_VARIANTS}
     trainer_epochs = []
     for variant in schedule:
