@@ -13,16 +13,9 @@ from torch import nn
 from dream_trainer import BaseTrainer, DeviceParameters, DreamTrainer, TrainerConfig
 from dream_trainer.pipeline import PipelineLayout, PipelineParameters, PipelineRuntime, StageLayers
 from tests.unit.test_import_graph import GRAPH
+from tests.unit.test_pipeline_plan import _Net  # the model the plan's tests cut
 
 LAYOUT = PipelineLayout(layers="blocks", first=("emb",), last=("head",))
-
-
-class _Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Linear(2, 4)
-        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
-        self.head = nn.Linear(4, 1)
 
 
 def _never() -> int:
