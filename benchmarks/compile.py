@@ -7,8 +7,9 @@ that rotates every round:
 
     eager               no compile
     demo                the demo's own ``apply_compile`` (the whole model as one region on one
-                        device, its embeddings eager; each block on its own when the model is
-                        sharded or split)
+                        device, its embeddings eager, as CUDA graphs on a GPU; each block on
+                        its own when the model is sharded or split)
+    demo-nographs       the same without CUDA graphs (what the demo did before)
     blocks              each transformer block compiled on its own (torchtitan's way; what the
                         demo did before)
     model               the whole GPT as one compiled region, embeddings included
@@ -32,6 +33,7 @@ speedup over eager of the same size, round and window, and the spread of that sp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -57,7 +59,7 @@ SIZES = {  # name -> (n_layer, n_head, d_model, autocast dtype or None)
     "demo-bf16": (4, 4, 128, "bfloat16"), "wide-bf16": (4, 8, 256, "bfloat16"), "large-bf16": (12, 12, 768, "bfloat16"),
 }
 DEFAULT_SIZES = {"cuda": "demo,demo-bf16,wide-bf16,large-bf16", "cpu": "small,demo,wide"}
-STRATEGIES = ("eager", "demo", "blocks", "model", "model-cudagraphs")
+STRATEGIES = ("eager", "demo", "demo-nographs", "blocks", "model", "model-cudagraphs")
 DEFAULT_STRATEGIES = "eager,demo,blocks,model"
 PROFILED_STEPS = 4  # --profile: after the timed window, 1 warm-up step and 3 profiled ones
 
@@ -68,7 +70,7 @@ class StrategyTrainer(GPTTrainer):
     strategy = "demo"
 
     def apply_compile(self) -> None:
-        if self.strategy == "demo":
+        if self.strategy in ("demo", "demo-nographs"):  # the config's cuda_graphs tells them apart
             super().apply_compile()
         elif self.strategy == "blocks":
             for block in self.model.blocks:
@@ -108,7 +110,7 @@ def _one(size: str, strategy: str, opts: dict[str, Any]) -> dict[str, Any]:
             logging_parameters=LoggingParameters(log_every_n_steps=10**9, log_lr=False),
             callbacks=callbacks,
         )
-        trainer = StrategyTrainer(demo_config(config, args))
+        trainer = StrategyTrainer(dataclasses.replace(demo_config(config, args), cuda_graphs=strategy != "demo-nographs"))
         start = time.perf_counter()
         try:
             trainer.fit()

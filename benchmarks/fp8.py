@@ -13,7 +13,8 @@ trained one rank in a fresh process per run:
             Linear(hidden, 16) head (on CPU: a 256-wide miniature)
 
 Variants: ``bf16`` (autocast), ``fp8-tensorwise`` and ``fp8-rowwise`` (bf16 autocast with the
-linears in float8), compiled (``--eager`` adds the eager runs; ``--variants`` picks). The
+linears in float8), ``fp8-tensorwise-fastacc`` (tensorwise with the fast accumulation in the
+backward's matmuls too: the callback's ``fast_accum=True``; not run unless named), compiled (``--eager`` adds the eager runs; ``--variants`` picks). The
 step time is a window of steps after warm-up, cut in `--parts` windows, the device synchronized
 only at their edges; rounds interleave the variants and the table gives the median over rounds, the ratio to bf16
 and its spread.
@@ -56,7 +57,8 @@ from dream_trainer.testing import spawn_world  # noqa: E402
 
 from common import device_name, machine, spread, verdict, write_json  # noqa: E402  (benchmarks/common.py)
 
-VARIANTS = ("bf16", "fp8-tensorwise", "fp8-rowwise")
+VARIANTS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "fp8-tensorwise-fastacc")
+DEFAULT_VARIANTS = "bf16,fp8-tensorwise,fp8-rowwise"
 SHAPES = {  # model -> CUDA shape, CPU shape
     "mlp": ({"width": 4096, "tokens": 8192}, {"width": 512, "tokens": 512}),
     "llama": ({"hidden": 4096, "ffn": 14336, "heads": 32, "kv_heads": 8, "seq": 2048, "batch": 4, "layers": 2},
@@ -153,7 +155,8 @@ def run(model: str, variant: str, compiled: bool, opts: dict[str, Any]) -> dict[
         callbacks: list[Any] = [timer]
         if variant.startswith("fp8"):
             logging.getLogger("dream_trainer.callbacks.fp8").setLevel(logging.ERROR)  # the table says "EMULATED" once
-            callbacks.append(Fp8QuantizationCallback(variant.split("-")[1], display=False))
+            callbacks.append(Fp8QuantizationCallback(variant.split("-")[1], display=False,
+                                                     fast_accum=variant.endswith("-fastacc")))
         steps = opts["warmup"] + opts["steps"]
         config = TrainerConfig(
             experiment="fp8", root_dir=root, seed=0,
@@ -185,8 +188,8 @@ def run_many(keys: list[tuple[str, str, bool]], opts: dict[str, Any]) -> list[di
 
 
 def sweep(widths: list[int], rows: int, repeat: int = 20) -> list[dict[str, Any]]:
-    """bf16 ``x @ w.T`` against float8 ``torch._scaled_mm`` (tensorwise and rowwise scales),
-    the matmul alone (inputs already in float8), timed with CUDA events."""
+    """bf16 ``x @ w.T`` against float8 ``torch._scaled_mm`` (tensorwise and rowwise scales;
+    tensorwise with fast accumulation), the matmul alone (inputs already in float8), timed with CUDA events."""
     out = []
     for width in widths:
         x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
@@ -196,7 +199,9 @@ def sweep(widths: list[int], rows: int, repeat: int = 20) -> list[dict[str, Any]
         row_a, row_b = torch.ones(rows, 1, device="cuda"), torch.ones(1, width, device="cuda")
         fns = {"bf16": lambda: x @ w.t(),
                "fp8-tensorwise": lambda: torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.bfloat16),
-               "fp8-rowwise": lambda: torch._scaled_mm(x8, w8.t(), row_a, row_b, out_dtype=torch.bfloat16)}
+               "fp8-rowwise": lambda: torch._scaled_mm(x8, w8.t(), row_a, row_b, out_dtype=torch.bfloat16),
+               "fp8-tensorwise-fastacc": lambda: torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.bfloat16,
+                                                                  use_fast_accum=True)}
         row: dict[str, Any] = {"rows": rows, "width": width}
         for name, fn in fns.items():
             try:
@@ -223,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--parts", type=int, default=3, help="the timed steps as this many windows (the spread within a run)")
     p.add_argument("--models", default="mlp,llama", help=f"comma-separated, from {list(SHAPES)}")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS)}")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, from {list(VARIANTS)}")
     p.add_argument("--eager", action="store_true", help="also the eager runs")
     p.add_argument("--no-compile", action="store_true", help="eager runs only")
     p.add_argument("--sweep", default=None, help="CUDA: comma-separated widths of the matmul sweep "
@@ -311,12 +316,14 @@ def _table(keys: list[tuple[str, str, bool]], runs: dict[Any, list[dict[str, Any
 
 def _print_sweep(swept: list[dict[str, Any]]) -> None:
     print(f"\nthe matmul alone, {swept[0]['rows']} rows x width -> width (TFLOP/s; float8 inputs already cast):\n")
-    print(f"{'width':>7}{'bf16':>10}{'fp8 tensorwise':>16}{'fp8 rowwise':>13}{'tw/bf16':>9}{'rw/bf16':>9}")
+    print(f"{'width':>7}{'bf16':>10}{'fp8 tensorwise':>16}{'fp8 rowwise':>13}{'tw fastacc':>12}{'tw/bf16':>9}"
+          f"{'rw/bf16':>9}{'twf/bf16':>10}")
     for row in swept:
-        cells = [row[k].get("tflops") for k in ("bf16", "fp8-tensorwise", "fp8-rowwise")]
+        cells = [row[k].get("tflops") for k in ("bf16", "fp8-tensorwise", "fp8-rowwise", "fp8-tensorwise-fastacc")]
         text = [f"{c:,.0f}" if c else "failed" for c in cells]
         ratio = [f"{c / cells[0]:.2f}" if c and cells[0] else "-" for c in cells[1:]]
-        print(f"{row['width']:>7}{text[0]:>10}{text[1]:>16}{text[2]:>13}{ratio[0]:>9}{ratio[1]:>9}")
+        print(f"{row['width']:>7}{text[0]:>10}{text[1]:>16}{text[2]:>13}{text[3]:>12}{ratio[0]:>9}{ratio[1]:>9}"
+              f"{ratio[2]:>10}")
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@
 #   compile benchmarks/compile.py: eager against compiled, by strategy and size
 #   fp8     benchmarks/fp8.py: float8 against bf16 (mlp, Llama blocks), and the matmul sweep
 #   compile_profile  (not run unless named in STAGES) the ops tables of eager and compiled at two sizes
-# STAGES="lane demo" (space-separated) runs only those; STEP_ARGS, FP8_ARGS and PROFILE_ARGS replace
-# (PROFILE_ARGS) or extend those benchmarks' arguments, UNIT_TESTS the unit tests' paths. Each stage's output goes to
+# STAGES="lane demo" (space-separated) runs only those; STEP_ARGS, FP8_ARGS, COMPILE_ARGS and PROFILE_ARGS replace
+# (COMPILE_ARGS, PROFILE_ARGS) or extend those benchmarks' arguments, UNIT_TESTS the unit tests' paths. Each stage's output goes to
 # RESULTS_DIR/<stage>.log, each benchmark's JSON to RESULTS_DIR/<name>.json (what
 # docs/benchmarks.md quotes, with the machine, device and versions inside). Optional packages
 # missing on the machine (torchao, torchdata, tyro, torchft, ...) are installed from wheels in
@@ -90,9 +90,9 @@ esac
 stage lane 200 "${pin_gpu[@]}" "$PY" -m pytest tests/cuda -m cuda -q -rs -p no:cacheprovider
 stage demo 90 "${pin_gpu[@]}" "$PY" examples/gpt/train.py --root-dir /tmp/gpu_check_demo
 stage step_path 180 "${pin_gpu[@]}" "$PY" benchmarks/step_path.py ${STEP_ARGS:-} --out "$RESULTS/step_path.json"
-stage compile 300 "${pin_gpu[@]}" "$PY" benchmarks/compile.py --rounds 1 --sizes demo,wide-bf16,large-bf16 \
-  --strategies eager,demo,blocks --out "$RESULTS/compile.json"
 stage fp8 300 "${pin_gpu[@]}" "$PY" benchmarks/fp8.py --rounds 1 ${FP8_ARGS:-} --out "$RESULTS/fp8.json"
+stage compile 300 "${pin_gpu[@]}" "$PY" benchmarks/compile.py ${COMPILE_ARGS:---rounds 1 --sizes demo,wide-bf16,large-bf16 \
+  --strategies eager,demo,demo-nographs} --out "$RESULTS/compile.json"
 stage compile_profile 240 "${pin_gpu[@]}" "$PY" benchmarks/compile.py ${PROFILE_ARGS:---rounds 1 --sizes demo,large-bf16 \
   --strategies eager,demo} --profile --out "$RESULTS/compile_profile.json"
 

@@ -49,14 +49,21 @@ def float8_hardware(device: torch.device | str) -> Float8Hardware:
     )
 
 
-def torchao_config(recipe: str, *, emulate: bool, fsdp_float8_all_gather: bool) -> Any:
+def torchao_config(recipe: str, *, emulate: bool, fsdp_float8_all_gather: bool, fast_accum: bool = False) -> Any:
     """torchao's ``Float8LinearConfig`` for `recipe`, with its matmuls emulated (`emulate`:
-    float8 casts and scales, then a float32 matmul) where the hardware has none, and FSDP2's
-    float8 all-gather (tensorwise only) when asked."""
+    float8 casts and scales, then a float32 matmul) where the hardware has none, FSDP2's
+    float8 all-gather (tensorwise only) when asked, and with `fast_accum` the fast
+    accumulation in the backward's two matmuls as well (torchao's recipes use it in the
+    forward's only)."""
     from torchao.float8 import Float8LinearConfig
+    from torchao.float8.config import Float8GemmConfig
 
     config = Float8LinearConfig.from_recipe_name(recipe)
-    return dataclasses.replace(config, emulate=emulate, enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
+    config = dataclasses.replace(config, emulate=emulate, enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
+    if fast_accum:
+        fast = Float8GemmConfig(use_fast_accum=True)
+        config = dataclasses.replace(config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
+    return config
 
 
 def other_matmul_modules(model: nn.Module) -> dict[str, str]:

@@ -81,6 +81,8 @@ def test_float8_with_torch_compile_tracks_eager_float32(tmp_path):
     assert fp32[-1] < 0.9 * fp32[0], fp32
     fp8 = Fp8QuantizationCallback()
     trainer, losses = curve(tmp_path, "compiled", steps, *one_block, "--compile", callbacks=[fp8])
-    assert list(trainer.compiled_modules) == ["model"] and emulated(trainer.model) == (2, True)  # one device: one region
+    # one device: one region; on a CPU without CUDA graphs (no compile options)
+    assert {n: c.options for n, c in trainer.compiled_modules.items()} == {"model": {}}
+    assert emulated(trainer.model) == (2, True)
     assert fp8.converted["model"] == ["blocks.0.mlp.fc1", "blocks.0.mlp.fc2"]
     assert_tracks(losses, fp32, "compiled tensorwise")

@@ -170,6 +170,16 @@ def test_without_float8_matmuls_torchao_is_told_to_emulate(caplog, monkeypatch):
     assert len(layers) == 2 and not any(m.config.emulate or m.linear_mm_config.output.emulate for m in layers)
     assert "(tensorwise, native float8 matmuls)" in caplog.text and "emulate" not in caplog.text
     assert trainer.global_step == 2 and all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    mm = layers[0].linear_mm_config  # torchao's recipe: fast accumulation in the forward's matmul only
+    assert mm.output.use_fast_accum and not mm.grad_input.use_fast_accum and not mm.grad_weight.use_fast_accum
+
+    fp8 = Fp8QuantizationCallback("tensorwise", fast_accum=True, display=False)  # and in the backward's too
+    trainer = Float8Toy(config([fp8], max_steps=2, n_epochs=None))
+    trainer.fit()
+    layers = float8_layers(trainer.model)
+    assert len(layers) == 2 and all(m.linear_mm_config.grad_input.use_fast_accum and
+                                    m.linear_mm_config.grad_weight.use_fast_accum for m in layers)
+    assert trainer.global_step == 2 and all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
 @pytest.mark.parametrize(("capability", "native"), [
@@ -263,6 +273,8 @@ def test_disabled_and_bad_arguments(capsys):
     assert off.float8 == {} and type(off.model.stem) is nn.Linear
     with pytest.raises(TypeError, match=r"Fp8QuantizationCallback\(display='no'\): expected True or False"):
         Fp8QuantizationCallback(display="no")
+    with pytest.raises(TypeError, match=r"Fp8QuantizationCallback\(fast_accum=1\): expected True or False"):
+        Fp8QuantizationCallback(fast_accum=1)
     with pytest.raises(ValueError, match=r"recipe 'delayed' is not one of \['tensorwise', 'rowwise', 'rowwise_with_gw_hp'\]"):
         Fp8QuantizationCallback({"model": "delayed"})
     with pytest.raises(TypeError, match=r"amax_history_len=.*delayed scaling was removed from torchao; use the dynamic 'tensorwise'"):
