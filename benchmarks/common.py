@@ -99,10 +99,15 @@ class RawBeside:
     difference is what the framework adds (the epoch-by-epoch pairing it replaced had a
     spread 5-10x wider on a shared 2-core machine). `chunk` > 1 runs that many raw steps
     together, then as many framework steps (``chunk`` = the epoch's steps: epoch pairing).
-    The framework's time of a window = its elapsed CPU time - `seconds` spent in it."""
+    The framework's time of a window = its elapsed CPU time - `seconds` spent in it.
 
-    def __init__(self, step: Callable[[Any], None], chunk: int = 1) -> None:
-        self.step, self.chunk = step, chunk
+    On a GPU the CPU clock misses the device's time: give `sync` (``torch.cuda.synchronize``)
+    and read the ``*_wall`` times. The device is then synchronized before each raw step (what
+    the framework queued is its time) and after it (the raw step's kernels are its own), so
+    both start from an empty queue: neither hides its host time behind the other's kernels."""
+
+    def __init__(self, step: Callable[[Any], None], chunk: int = 1, sync: Callable[[], None] | None = None) -> None:
+        self.step, self.chunk, self.sync = step, chunk, sync
         self.seconds = 0.0  # the raw steps' CPU time so far
         self.wall = 0.0  # and their wall time
         self.count = 0  # raw steps so far
@@ -144,6 +149,9 @@ class _PairedFetch:
 
     def __next__(self) -> Any:
         if self.fetched % self.raw.chunk == 0:
+            sync = self.raw.sync
+            if sync is not None:
+                sync()  # the framework's queued kernels: its time
             start, wall = time.thread_time(), time.perf_counter()
             for _ in range(self.raw.chunk):
                 batch = next(self.beside, None)
@@ -152,6 +160,8 @@ class _PairedFetch:
                 self.raw.step(batch)
                 self.raw.count += 1
             del batch  # freed inside the raw step's time
+            if sync is not None:
+                sync()  # the raw step's kernels: its time
             self.raw.seconds += time.thread_time() - start
             self.raw.wall += time.perf_counter() - wall
         self.fetched += 1
