@@ -3,7 +3,9 @@
 1. **The loader alone**: tokens/s of `TokenLoader` iterating over a generated token file
    (memory-mapped, uint16), for a few sample lengths and micro-batch sizes, against a plain
    ``DataLoader(TokenDataset, shuffle=True)`` (per-sample reads, default collate) on the same
-   file: same samples per batch, both in the main process.
+   file in the main process, and against torchdata's ``StatefulDataLoader`` over the same
+   dataset with `--workers` worker processes (what a resumable pipeline with workers looks
+   like elsewhere; when torchdata is installed): same samples per batch.
 2. **The demo**: the GPT demo with its own defaults (``examples/gpt/train.py``: global batch
    32 x 64 tokens) for ``--steps`` steps; per optimizer step the trainer's ``data_wait_s``
    (``trainer.step_stats``) against the step's time. Goal: data waits under 1 % of step
@@ -58,16 +60,31 @@ def _rate(batches: Any, tokens_per_batch: int, seconds: float) -> float:
     return n * tokens_per_batch / (time.perf_counter() - start)
 
 
-def loader_alone(path: Path, seconds: float) -> list[dict[str, Any]]:
+def _stateful(path: Path, seq_len: int, micro: int, workers: int) -> Any:
+    """torchdata's StatefulDataLoader over the same dataset, `workers` processes (None: no torchdata)."""
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError:
+        return None
+    return StatefulDataLoader(TokenDataset(path, seq_len), batch_size=micro, shuffle=True, num_workers=workers,
+                              persistent_workers=workers > 0, generator=torch.Generator().manual_seed(0))
+
+
+def loader_alone(path: Path, seconds: float, workers: int) -> list[dict[str, Any]]:
     rows = []
     for seq_len, micro in SHAPES:
         ours = TokenLoader(path, seq_len, micro, seed=0)
         plain = DataLoader(TokenDataset(path, seq_len), batch_size=micro, shuffle=True,
                            generator=torch.Generator().manual_seed(0))
+        stateful = _stateful(path, seq_len, micro, workers)
         tokens = seq_len * micro
-        _rate(ours, tokens, 0.05), _rate(plain, tokens, 0.05)  # first touches of the page cache
+        for loader in (ours, plain, stateful):  # first touches of the page cache; the workers start
+            if loader is not None:
+                _rate(loader, tokens, 0.05)
         rows.append({"seq_len": seq_len, "micro_batch": micro, "token_loader_tok_s": _rate(ours, tokens, seconds),
-                     "dataloader_tok_s": _rate(plain, tokens, seconds)})
+                     "dataloader_tok_s": _rate(plain, tokens, seconds),
+                     "stateful_workers_tok_s": _rate(stateful, tokens, seconds) if stateful is not None else None})
+        del stateful  # its workers end
     return rows
 
 
@@ -103,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tokens", type=int, default=50_000_000, help="tokens in the generated file (uint16)")
     p.add_argument("--seconds", type=float, default=3.0, help="time per loader measurement")
     p.add_argument("--steps", type=int, default=250, help="demo steps (its default)")
+    p.add_argument("--workers", type=int, default=2, help="StatefulDataLoader's worker processes")
     p.add_argument("--quick", action="store_true", help="a 5M-token file, 1 s per measurement, 60 demo steps")
     p.add_argument("--smoke", action="store_true",
                    help="seconds: a 1M-token file, 0.05 s per measurement, 8 steps of a small demo")
@@ -118,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rng = np.random.default_rng(0)
         path = write_tokens(Path(root) / "bench.tokens", (rng.integers(0, 50_000, size=1_000_000)
                                                           for _ in range(max(1, args.tokens // 1_000_000))))
-        rows = loader_alone(path, args.seconds)
+        rows = loader_alone(path, args.seconds, args.workers)
         run = demo(args.steps, root, SMOKE_DEMO if args.smoke else None)
     demo_shape = rows[0]
     result = {"loader": rows, "demo": run, "goal_data_wait_share": GOAL,
@@ -127,10 +145,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "settings": vars(args), "wall_s": time.perf_counter() - start, "machine": machine()}
     print(f"\nthe token loader alone ({args.tokens / 1e6:.0f}M uint16 tokens, memory-mapped, main process); "
           f"torch {torch.__version__}\n")
-    print(f"{'seq_len x micro':<18}{'TokenLoader tok/s':>20}{'DataLoader tok/s':>20}{'ratio':>8}")
+    workers = f"Stateful({args.workers}w) tok/s"
+    print(f"{'seq_len x micro':<18}{'TokenLoader tok/s':>20}{'DataLoader tok/s':>20}{'ratio':>8}{workers:>26}{'ratio':>8}")
     for r in rows:
+        st = r["stateful_workers_tok_s"]
+        st_text = (f"{st:>26,.0f}{r['token_loader_tok_s'] / st:>7.1f}x" if st else f"{'not measured (no torchdata)':>34}")
         print(f"{str(r['seq_len']) + ' x ' + str(r['micro_batch']):<18}{r['token_loader_tok_s']:>20,.0f}"
-              f"{r['dataloader_tok_s']:>20,.0f}{r['token_loader_tok_s'] / r['dataloader_tok_s']:>7.1f}x")
+              f"{r['dataloader_tok_s']:>20,.0f}{r['token_loader_tok_s'] / r['dataloader_tok_s']:>7.1f}x{st_text}")
     shape = f"shrunk: {' '.join(SMOKE_DEMO)}" if args.smoke else "with its defaults"
     print(f"\nthe demo {shape} ({run['tokens_per_step']} tokens/step), {run['steps_timed']} steps timed:")
     print(f"  step {run['step_ms_median']:.1f} ms (median), data wait {run['data_wait_ms_median']:.3f} ms (median); "

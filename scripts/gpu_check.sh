@@ -30,7 +30,7 @@ mkdir -p "$RESULTS"
 RESULTS=$(cd "$RESULTS" && pwd)
 export PYTHONUNBUFFERED=1
 
-if ! "$PY" -c "import torchao, torchdata, tyro, torchft" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+if ! "$PY" -c "import torchao, torchdata, tyro, torchft, xxhash" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   site=$(mktemp -d /tmp/dt_site.XXXX)
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl || exit 99
   export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
