@@ -31,6 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from dream_trainer.durable import fsync_dir
 from dream_trainer.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -167,7 +168,7 @@ def commit(staging: Path, meta: dict[str, Any]) -> Path:
     if final.exists():
         shutil.rmtree(final)
     os.rename(staging, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     return final
 
 
@@ -240,19 +241,6 @@ def clean_staging(root: Path) -> list[Path]:
                 shutil.rmtree(child, ignore_errors=True)
                 removed.append(child)
     return removed
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _read_metadata(path: Path) -> Any:

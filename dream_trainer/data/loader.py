@@ -3,7 +3,11 @@ to a rank; `TokenDataset`: the same samples as a map-style dataset (e.g. for val
 
 The loader yields this rank's micro-batches of each global batch of the run's order (see
 `dream_trainer.data.tokens.GlobalOrder`): ``(inputs, targets)``, two ``int64`` tensors of
-shape ``(micro_batch_size, seq_len)`` (with ``return_ids=True`` a third: the sample ids).
+shape ``(micro_batch_size, seq_len)`` (with ``return_ids=True`` a third: the sample ids);
+with ``document_info=True`` a `DocumentBatch` that adds position and document ids (see
+`dream_trainer.data.documents`). Targets the loss must skip are ``ignore_index`` (-100): the
+padding of ``mode="documents"``, and with ``mask_document_boundaries=True`` a window's
+targets that start the next document.
 Its position is one cursor (seed, epoch, samples consumed) that every rank holds alike; the
 trainer saves it once per run (``trainer.data`` in a checkpoint), so it loads into any
 number of ranks: a resume seeks to it, it never replays batches.
@@ -26,6 +30,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from dream_trainer.data.documents import (
+    IGNORE_INDEX,
+    DocumentBatch,
+    check_ignore_index,
+    check_pad_id,
+    sample_arrays,
+)
 from dream_trainer.data.tokens import GlobalOrder, TokenFile, split_global_batch
 
 __all__ = ["TokenDataset", "TokenLoader"]
@@ -37,46 +48,70 @@ def _open(data: TokenFile | str | Path, dtype: str | None) -> TokenFile:
     return data if isinstance(data, TokenFile) else TokenFile(data, dtype=dtype)
 
 
-def _gather(file: TokenFile, ids: np.ndarray, seq_len: int, mode: str, pad_id: int,
-            pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(inputs, targets)`` of samples `ids`: one read of the memory map for windows.
-    `pin`: both in pinned host memory, each contiguous (what a non-blocking copy to a GPU
-    needs: a strided view of pinned memory is copied through pageable memory)."""
-    if mode == "windows":
+def _gather(file: TokenFile, ids: np.ndarray, seq_len: int, mode: str, pad_id: int, pin: bool = False, *,
+            ignore_index: int = IGNORE_INDEX, mask_boundaries: bool = False,
+            document_info: bool = False) -> list[torch.Tensor]:
+    """``[inputs, targets]`` of samples `ids` (with `document_info`: ``+ [position_ids,
+    document_ids]``): one read of the memory map. `pin`: each in pinned host memory,
+    contiguous (what a non-blocking copy to a GPU needs: a strided view of pinned memory is
+    copied through pageable memory)."""
+    if mode == "windows" and not (mask_boundaries or document_info) and not pin:  # the plain windows, as ever
         rows = (ids.astype(np.int64) * seq_len)[:, None] + np.arange(seq_len + 1)
-        tokens = file.tokens[rows]
-    else:
-        tokens = np.stack([file.sample(int(i), seq_len, mode, pad_id) for i in ids]) if len(ids) else \
-            np.empty((0, seq_len + 1), dtype=np.int64)
+        batch = torch.from_numpy(np.asarray(file.tokens[rows], dtype=np.int64))
+        return [batch[:, :-1], batch[:, 1:]]
+    arrays = sample_arrays(file, ids, seq_len, mode, pad_id=pad_id, ignore_index=ignore_index,
+                           mask_boundaries=mask_boundaries, document_info=document_info)
     if not pin:
-        batch = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
-        return batch[:, :-1], batch[:, 1:]
-    inputs, targets = (torch.empty((len(ids), seq_len), dtype=torch.int64, pin_memory=True) for _ in range(2))
-    np.copyto(inputs.numpy(), tokens[:, :-1], casting="unsafe")  # the file's uint16/uint32 ids, widened
-    np.copyto(targets.numpy(), tokens[:, 1:], casting="unsafe")
-    return inputs, targets
+        return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
+    out = []
+    for array in arrays:
+        tensor = torch.empty((len(ids), seq_len), dtype=torch.int64, pin_memory=True)
+        np.copyto(tensor.numpy(), array, casting="unsafe")  # the file's uint16/uint32 ids, widened
+        out.append(tensor)
+    return out
 
 
-class TokenDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Sample ``i`` of a token file as ``(inputs, targets)`` (``seq_len`` tokens each): a
-    map-style dataset, for a ``DataLoader`` with a ``DistributedSampler`` (validation)."""
+class _Options:
+    """The sample options `TokenDataset` and `TokenLoader` share, checked once."""
+
+    file: TokenFile
+    seq_len: int
+
+    def _set_options(self, owner: str, mode: str, pad_id: int, ignore_index: int, mask_document_boundaries: bool,
+                     document_info: bool) -> None:
+        self.mode, self.pad_id = mode, check_pad_id(pad_id, owner)
+        self.ignore_index = check_ignore_index(ignore_index, owner)
+        self.mask_document_boundaries, self.document_info = bool(mask_document_boundaries), bool(document_info)
+
+    def _arrays(self, ids: np.ndarray, pin: bool = False) -> list[torch.Tensor]:
+        return _gather(self.file, ids, self.seq_len, self.mode, self.pad_id, pin, ignore_index=self.ignore_index,
+                       mask_boundaries=self.mask_document_boundaries, document_info=self.document_info)
+
+
+class TokenDataset(_Options, Dataset[Any]):
+    """Sample ``i`` of a token file as ``(inputs, targets)`` (``seq_len`` tokens each; with
+    ``document_info=True`` a `DocumentBatch` whose ``sample_ids`` is ``i``): a map-style
+    dataset, for a ``DataLoader`` with a ``DistributedSampler`` (validation). The options are
+    `TokenLoader`'s."""
 
     def __init__(self, data: TokenFile | str | Path, seq_len: int, *, mode: str = "windows", pad_id: int = 0,
-                 dtype: str | None = None):
-        self.file, self.seq_len, self.mode, self.pad_id = _open(data, dtype), seq_len, mode, pad_id
+                 dtype: str | None = None, ignore_index: int = IGNORE_INDEX, mask_document_boundaries: bool = False,
+                 document_info: bool = False):
+        self._set_options("TokenDataset", mode, pad_id, ignore_index, mask_document_boundaries, document_info)
+        self.file, self.seq_len = _open(data, dtype), seq_len
         self._len = self.file.n_samples(seq_len, mode)
 
     def __len__(self) -> int:
         return self._len
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | DocumentBatch:
         if not 0 <= index < self._len:
             raise IndexError(f"sample {index} of {self._len}")
-        x, y = _gather(self.file, np.asarray([index]), self.seq_len, self.mode, self.pad_id)
-        return x[0], y[0]
+        rows = [t[0] for t in self._arrays(np.asarray([index]))]
+        return DocumentBatch(*rows, torch.tensor(index)) if self.document_info else (rows[0], rows[1])
 
 
-class TokenLoader:
+class TokenLoader(_Options):
     """This rank's micro-batches of the run's global batches from a token file (see the
     module docstring).
 
@@ -89,12 +124,30 @@ class TokenLoader:
         micro_batch_size: samples per forward pass on one rank; the accumulation is
             ``global_batch_size / (dp_size * micro_batch_size)``. None: one micro-batch per
             rank and step.
-        seed: the order's seed. mode: ``"windows"`` or ``"documents"`` (see `TokenFile.sample`).
+        seed: the order's seed. mode: ``"windows"`` (sample ``i``: tokens ``i * seq_len`` to
+            ``(i + 1) * seq_len`` of the stream, and the next one) or ``"documents"``
+            (sample ``i``: document ``i``, cropped to ``seq_len + 1`` tokens; a shorter one's
+            inputs are right-padded with `pad_id`, its targets there are `ignore_index`).
         shuffle: False: the file's order (epoch after epoch).
+        pad_id: the inputs' padding in ``mode="documents"``: a token id (an int >= 0; the
+            model embeds it, the loss never sees it).
+        ignore_index: the target of a position the loss skips (a negative int; -100 is what
+            ``cross_entropy`` ignores by default).
+        mask_document_boundaries: ``mode="windows"``: the target of each document's last
+            token (the first token of the next document) is `ignore_index`: no loss for
+            predicting a document from the one before it.
+        document_info: yield a `DocumentBatch`: ``inputs``, ``targets``, ``position_ids``
+            (restarting at 0 at every document boundary and at the sample's start),
+            ``document_ids`` (the file's index of each token's document; -1: padding) and
+            ``sample_ids`` (with `return_ids`), for positions and a block-causal attention
+            mask (`dream_trainer.data.documents.block_causal_mask`).
         return_ids: yield the sample ids as a third element.
-        pin_memory: yield the batches in pinned host memory, inputs and targets contiguous
-            (their copy to a GPU is then non-blocking and overlaps the step). None: pin when
+        pin_memory: yield the batches in pinned host memory, every tensor contiguous (their
+            copy to a GPU is then non-blocking and overlaps the step). None: pin when
             `world`'s device is CUDA.
+        allow_different_data: the saved position records the token file's fingerprint
+            (`TokenFile.fingerprint`: sizes, vocabulary, checksum); a resume on a file with
+            another one is refused unless this is True.
 
     Use `for_trainer` in ``configure_dataloaders``: it takes the global and micro-batch sizes
     from ``TrainingParameters`` and the world and seed from the trainer.
@@ -108,11 +161,14 @@ class TokenLoader:
     def __init__(self, data: TokenFile | str | Path, seq_len: int, global_batch_size: int, *, world: Any = None,
                  dp_rank: int = 0, dp_size: int = 1, micro_batch_size: int | None = None, seed: int = 0,
                  mode: str = "windows", shuffle: bool = True, pad_id: int = 0, dtype: str | None = None,
-                 return_ids: bool = False, pin_memory: bool | None = None):
+                 return_ids: bool = False, pin_memory: bool | None = None, ignore_index: int = IGNORE_INDEX,
+                 mask_document_boundaries: bool = False, document_info: bool = False,
+                 allow_different_data: bool = False):
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"TokenLoader(seq_len={seq_len!r}): expected an int >= 1")
+        self._set_options("TokenLoader", mode, pad_id, ignore_index, mask_document_boundaries, document_info)
         self.file = _open(data, dtype)
-        self.seq_len, self.mode, self.pad_id, self.return_ids = seq_len, mode, pad_id, return_ids
+        self.seq_len, self.return_ids = seq_len, return_ids
         if world is not None:
             dp_rank, dp_size = world.dp_rank, world.dp_size
         self.world, self.dp_rank, self.dp_size = world, dp_rank, dp_size
@@ -125,7 +181,8 @@ class TokenLoader:
         if global_batch_size > n_samples:
             raise ValueError(f"TokenLoader: global_batch_size={global_batch_size} is more than the {n_samples} samples "
                              f"of {self.file.path} (seq_len={seq_len}, mode={mode!r})")
-        self.order = GlobalOrder(n_samples, global_batch_size, seed=seed, shuffle=shuffle)
+        self.order = GlobalOrder(n_samples, global_batch_size, seed=seed, shuffle=shuffle,
+                                 fingerprint=self.file.fingerprint(), allow_different_data=allow_different_data)
         self.follows_quorum = callable(getattr(world, "step_slot", None))
         self._micro = 0  # micro-batches of the current step handed out (without a quorum)
         self._attempt: int | None = None  # the quorum's step attempt being served
@@ -158,12 +215,12 @@ class TokenLoader:
         if not self.follows_quorum and epoch != self.order.epoch:
             self.order.epoch, self.order.consumed, self._micro = epoch, 0, 0
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+    def __iter__(self) -> Iterator[Any]:
         if self.follows_quorum:
             return self._quorum_batches()
         return self._epoch_batches()
 
-    def _epoch_batches(self) -> Iterator[tuple[torch.Tensor, ...]]:
+    def _epoch_batches(self) -> Iterator[Any]:
         """The rest of the cursor's epoch (the next epoch when it is used up)."""
         order, per_rank, micro = self.order, self.global_batch_size // self.dp_size, self.micro_batch_size
         if not order.has_batch():
@@ -177,7 +234,7 @@ class TokenLoader:
                 self._micro = 0
             yield self._batch(share[index * micro:(index + 1) * micro])
 
-    def _quorum_batches(self) -> Iterator[tuple[torch.Tensor, ...]]:
+    def _quorum_batches(self) -> Iterator[Any]:
         world, order = self.world, self.order
         while True:
             attempt, committed, participants, replica_rank, micro_index = world.step_slot()
@@ -202,9 +259,12 @@ class TokenLoader:
         start = (replica_rank * ranks * accumulation + self.dp_rank * accumulation + micro_index) * micro
         return self.order.peek()[start:start + micro]
 
-    def _batch(self, ids: np.ndarray) -> tuple[torch.Tensor, ...]:
-        x, y = _gather(self.file, ids, self.seq_len, self.mode, self.pad_id, self.pin_memory)
-        return (x, y, torch.from_numpy(ids.astype(np.int64))) if self.return_ids else (x, y)
+    def _batch(self, ids: np.ndarray) -> tuple[torch.Tensor, ...] | DocumentBatch:
+        tensors = self._arrays(ids, self.pin_memory)
+        sample_ids = torch.from_numpy(ids.astype(np.int64)) if self.return_ids else None
+        if self.document_info:
+            return DocumentBatch(*tensors, sample_ids)
+        return (*tensors, sample_ids) if self.return_ids else tuple(tensors)
 
     # ------------------------------------------------------------------ the position
     def state_dict(self) -> dict[str, Any]:

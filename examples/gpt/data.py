@@ -163,23 +163,24 @@ class ByteTokenizer:
 
 
 def prepare_token_files(directory: str | Path, n_chars: int = 400_000, val_fraction: float = 0.1,
-                        seed: int = 0) -> tuple[Path, Path]:
+                        seed: int = 0, split: str = "paragraphs") -> tuple[Path, Path]:
     """``(train, validation)`` token files of the generated corpus in `directory` (made
     once; every rank may call it at once: each file is written under a name of its own
     process and renamed). The first ``1 - val_fraction`` of the text trains, the rest
-    validates."""
+    validates. `split`: ``"paragraphs"``, the corpus is one document (it has no blank
+    lines); ``"lines"``, each line is a document (the newlines are not tokens then)."""
     from dream_trainer.data.prepare import prepare
 
-    directory = Path(directory) / f"corpus-{n_chars}-{seed}"
+    directory = Path(directory) / (f"corpus-{n_chars}-{seed}" + ("" if split == "paragraphs" else f"-{split}"))
     paths = directory / "train.tokens", directory / "val.tokens"
     if all(path.is_file() for path in paths):
         return paths
     directory.mkdir(parents=True, exist_ok=True)
     text = generate_corpus(n_chars, seed=seed)
-    split = len(text) - int(len(text) * val_fraction)
-    for part, path in zip((text[:split], text[split:]), paths):
+    cut = len(text) - int(len(text) * val_fraction)
+    for part, path in zip((text[:cut], text[cut:]), paths):
         source = path.with_suffix(f".{os.getpid()}.txt")
         source.write_text(part, encoding="utf-8")
-        prepare(source, path)  # bytes; one document (the corpus has no blank lines)
+        prepare(source, path, split=split)  # bytes; paragraphs: one document (the corpus has no blank lines)
         source.unlink()
     return paths

@@ -9,18 +9,28 @@ Designed to be friendly to meta-device construction and parallelism:
   and derives the number of (local) heads from the projected width, so the
   projections can be sharded colwise/rowwise by tensor parallelism;
 * no weight tying between the token embedding and ``lm_head``.
+
+Packed documents (a `dream_trainer.data.TokenLoader` with ``document_info=True``):
+``forward(idx, position_ids, document_ids)`` embeds each token's position in its document and
+lets attention see only the earlier tokens of the same document (a block-causal mask:
+SDPA with a boolean mask, or flex attention with ``GPTConfig(attention="flex")``). Without
+them the model is the plain causal one, unchanged.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from dream_trainer.context_parallel import sequence_positions
+from dream_trainer.data.documents import block_causal_mask, flex_block_mask
+
+ATTENTION = ("sdpa", "flex")
 
 
 @dataclass
@@ -33,12 +43,19 @@ class GPTConfig:
     n_head: int = 4
     d_model: int = 128
     dropout: float = 0.0
+    attention: str = "sdpa"
+    """How a document mask is applied (only with ``document_ids``): ``"sdpa"``, a boolean
+    ``(B, 1, T, T)`` mask (any device, eager or compiled); ``"flex"``, a flex-attention
+    BlockMask (skips the blocks with no pair allowed; fast only under ``torch.compile``,
+    no dropout)."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head != 0:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})"
             )
+        if self.attention not in ATTENTION:
+            raise ValueError(f"GPTConfig(attention={self.attention!r}): use one of {ATTENTION}")
 
     @property
     def head_dim(self) -> int:
@@ -58,15 +75,27 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = nn.Linear(d, d)
         self.o_proj = nn.Linear(d, d)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Any = None) -> torch.Tensor:
+        """`mask`: None (causal), a boolean ``(B, 1, T, T)`` SDPA mask or a flex BlockMask."""
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         # Local head count: correct even when the projections are sharded.
         n_head = q.shape[-1] // self.head_dim
         q, k, v = (t.view(B, T, n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        dropout = self.dropout if self.training else 0.0
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        elif isinstance(mask, torch.Tensor):
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        else:
+            if dropout:
+                raise ValueError(f"GPTConfig(attention='flex') has no attention dropout (dropout={dropout}): "
+                                 "use attention='sdpa' or dropout=0")
+            from torch.nn.attention.flex_attention import flex_attention
+
+            if q.device.type == "cpu":  # torch 2.13's compiled CPU flex kernel cannot lower a view of the
+                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # projections' 2-D output
+            y = flex_attention(q, k, v, block_mask=mask)
         y = y.transpose(1, 2).reshape(B, T, n_head * self.head_dim)
         return self.o_proj(y)
 
@@ -96,8 +125,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, mask: Any = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), mask))
         x = x + self.mlp(self.ln2(x))
         return x
 
@@ -105,7 +134,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Decoder-only transformer language model.
 
-    ``forward(idx[B, T]) -> logits[B, T, vocab_size]`` with ``T <= block_size``.
+    ``forward(idx[B, T]) -> logits[B, T, vocab_size]`` with ``T <= block_size``; packed
+    documents: ``forward(idx, position_ids, document_ids)`` (``int64`` ``(B, T)`` each, a
+    `DocumentBatch`'s; position ids must be below ``block_size``).
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -118,20 +149,27 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.d_model)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids to logits; cut into pipeline stages (dream_trainer's
         ``PipelineLayout``), a stage without the embeddings takes the previous stage's
-        hidden states, and one without the head returns its own."""
+        hidden states, and one without the head returns its own. `position_ids`: each
+        token's position (default: ``arange(T)``); `document_ids`: attention stays within
+        a document (a block-causal mask; default: causal over the whole sequence)."""
         if self.tok_emb is None:
             x = idx
         else:
             _, T = idx.shape
             if T > self.config.block_size:  # (context parallel: T is this rank's share)
                 raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-            pos = sequence_positions(T, idx.device)  # arange(T); context parallel: this rank's part
-            x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+            if position_ids is None:
+                position_ids = sequence_positions(T, idx.device)  # arange(T); context parallel: this rank's part
+            x = self.drop(self.tok_emb(idx) + self.pos_emb(position_ids))
+        mask = None
+        if document_ids is not None:
+            mask = flex_block_mask(document_ids) if self.config.attention == "flex" else block_causal_mask(document_ids)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return x if self.lm_head is None else self.lm_head(self.ln_f(x))
 
     @torch.no_grad()
@@ -156,5 +194,6 @@ class GPT(nn.Module):
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy over all ``B*T`` positions."""
+    """Mean next-token cross entropy over the ``B*T`` positions whose target is not -100
+    (``cross_entropy``'s ``ignore_index``: a document loader's padding and boundaries)."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))

@@ -57,6 +57,7 @@ from dream_trainer import (  # noqa: E402
 )
 from dream_trainer.config_files import FIXED_ON_RESUME  # noqa: E402
 from dream_trainer.data import TokenDataset, TokenLoader  # noqa: E402
+from dream_trainer.data.documents import DocumentBatch  # noqa: E402
 from dream_trainer.pipeline import PipelineLayout  # noqa: E402
 
 
@@ -86,11 +87,17 @@ class DemoData:
         data_dir: where the corpus's token files are made (default: <root_dir>/data).
         data_delay_ms: make every training batch this much slower to load (a slow data
             pipeline, to see it found).
+        documents: each line of the corpus is a document, and the samples know them
+            (`TokenLoader(document_info=True, mask_document_boundaries=True)`): no loss on
+            predicting a document from the previous one, positions restarting at each
+            document, attention that stops at its start (a block-causal mask). Not with
+            pipeline or context parallelism.
     """
 
     n_chars: int = 400_000
     data_dir: str | None = None
     data_delay_ms: float = 0.0
+    documents: bool = False
 
 
 @dataclass(kw_only=True)
@@ -147,7 +154,8 @@ class GPTTrainer(DreamTrainer):
         super().__init__(config)
         data = config.data
         self.train_file, self.val_file = prepare_token_files(Path(data.data_dir or Path(config.root_dir) / "data"),
-                                                             n_chars=data.n_chars)
+                                                             n_chars=data.n_chars,
+                                                             split="lines" if data.documents else "paragraphs")
         self.tokenizer = ByteTokenizer()
         shape = config.model
         self.gpt_config = GPTConfig(vocab_size=self.tokenizer.vocab_size, block_size=shape.block_size,
@@ -225,23 +233,36 @@ class GPTTrainer(DreamTrainer):
         order; under fault tolerance the global batch is split over the quorum's groups.
         Validation: the held-out windows, in order, split over the data-parallel ranks."""
         block, delay_ms = self.config.model.block_size, self.config.data.data_delay_ms
-        train: Any = TokenLoader.for_trainer(self, self.train_file, block)
+        documents = {"document_info": True, "mask_document_boundaries": True} if self.config.data.documents else {}
+        if documents and (self.pipeline is not None or self.context_parallel is not None):
+            raise ValueError("--data.documents with pipeline or context parallelism: the document mask reaches "
+                             "neither the pipeline's stages nor ring attention; run them without --data.documents")
+        train: Any = TokenLoader.for_trainer(self, self.train_file, block, **documents)
         if delay_ms:
             train = _Slow(train, delay_ms / 1000)
-        val_set = TokenDataset(self.val_file, block)
+        val_set = TokenDataset(self.val_file, block, **documents)
         sampler = DistributedSampler(val_set, self.world.dp_size, self.world.dp_rank, shuffle=False)
         pin = self.world.device.type == "cuda"  # the training batches are pinned by the TokenLoader
         return train, DataLoader(val_set, batch_size=train.micro_batch_size, sampler=sampler, pin_memory=pin)
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        x, y = batch
+        x, y = _model_inputs(batch)
         loss = self.forward_backward(self.model, x, y, lm_loss)  # through the stages when pipelined
         self.step(self.optimizer)
         return {"loss": loss}
 
     def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        x, y = batch
+        x, y = _model_inputs(batch)
         return {"loss": self.forward_loss(self.model, x, y, lm_loss)}
+
+
+def _model_inputs(batch: Any) -> tuple[Any, torch.Tensor]:
+    """``(what the model takes, targets)``: the token ids, or with --data.documents the
+    ids, position ids and document ids (``model(*inputs)``)."""
+    if isinstance(batch, DocumentBatch):
+        return (batch.inputs, batch.position_ids, batch.document_ids), batch.targets
+    x, y = batch
+    return x, y
 
 
 class _Slow:

@@ -7,6 +7,11 @@ What makes it a different shape from the GPT demo: rotary position embeddings (a
 non-persistent ``inv_freq`` buffer, recomputed by ``init_weights`` after a meta-device
 build), RMSNorm, grouped-query attention (fewer key/value heads than query heads), a SwiGLU
 MLP without biases, and the output head tied to the token embedding.
+
+Packed documents (a `dream_trainer.data.TokenLoader` with ``document_info=True``):
+``forward(input_ids, position_ids, document_ids)`` rotates by each token's position in its
+document and masks attention block-causally (``dream_trainer.data.documents``); without them
+the model is the plain causal one, unchanged.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dream_trainer.context_parallel import sequence_positions
+from dream_trainer.data.documents import block_causal_mask
 
 
 @dataclass
@@ -81,7 +87,8 @@ class LlamaRotaryEmbedding(nn.Module):
         self.inv_freq.copy_(self._inv_freq(self.inv_freq.device))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions[:, None].float() * self.inv_freq[None, :]
+        """`positions`: ``(T,)`` (one for the batch) or ``(B, T)``: ``(.., T, head_dim)``."""
+        angles = positions[..., None].float() * self.inv_freq
         emb = torch.cat((angles, angles), dim=-1)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
@@ -109,14 +116,19 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(d, config.num_key_value_heads * h, bias=False)
         self.o_proj = nn.Linear(config.num_attention_heads * h, d, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask`: None (causal) or a boolean ``(B, 1, T, T)`` SDPA mask."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, k, cos, sin)
         k, v = k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -139,8 +151,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -152,16 +165,22 @@ class LlamaModel(nn.Module):
         self.norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(x, sequence_positions(input_ids.shape[1], input_ids.device))  # context parallel: this rank's
+        if position_ids is None:  # context parallel: this rank's positions
+            cos, sin = self.rotary_emb(x, sequence_positions(input_ids.shape[1], input_ids.device))
+        else:
+            cos, sin = (t[:, None] for t in self.rotary_emb(x, position_ids))  # (B, 1, T, head_dim): over the heads
+        mask = None if document_ids is None else block_causal_mask(document_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, mask)
         return self.norm(x)
 
 
 class LlamaForCausalLM(nn.Module):
-    """``forward(input_ids[B, T]) -> logits[B, T, vocab_size]``."""
+    """``forward(input_ids[B, T]) -> logits[B, T, vocab_size]``; packed documents:
+    ``forward(input_ids, position_ids, document_ids)`` (``int64`` ``(B, T)`` each)."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -171,11 +190,12 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids.shape[1] > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {input_ids.shape[1]} exceeds max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
-        return self.lm_head(self.model(input_ids))
+        return self.lm_head(self.model(input_ids, position_ids, document_ids))
 
     @torch.no_grad()
     def init_weights(self) -> None:

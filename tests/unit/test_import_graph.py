@@ -142,5 +142,7 @@ def test_the_cluster_environment_is_a_leaf():
 
 def test_the_token_data_is_a_leaf():
     """Token files and the global order are plain numpy: usable (and tested) without a trainer."""
-    assert GRAPH["dream_trainer.data.tokens"] == set()
+    assert GRAPH["dream_trainer.data.tokens"] == {"dream_trainer.data.order", "dream_trainer.durable"}
+    assert GRAPH["dream_trainer.durable"] == set()
+    assert GRAPH["dream_trainer.data.order"] == set()
     assert GRAPH["dream_trainer.data.prepare"] == {"dream_trainer.data.tokens"}

@@ -105,10 +105,42 @@ def test_the_dataset_gives_the_loaders_samples(corpus):
 
 
 def test_documents_are_samples_too(corpus):
+    """One document per sample, cropped or padded: the inputs padded with pad_id, the targets
+    at padding -100 (the loss skips them; tests/unit/test_documents.py checks the loss)."""
     tf = TokenFile(corpus)
-    loader = TokenLoader(corpus, SEQ, 8, dp_rank=1, dp_size=2, mode="documents", pad_id=7, return_ids=True)
-    assert loader.order.n_samples == tf.n_docs
-    x, y, ids = next(iter(loader))
-    for row, i in enumerate(ids.tolist()):
-        doc = torch.from_numpy(tf.sample(i, SEQ, mode="documents", pad_id=7))
-        assert torch.equal(x[row], doc[:-1]) and torch.equal(y[row], doc[1:])
+    loaders = [TokenLoader(corpus, SEQ, 8, dp_rank=r, dp_size=2, mode="documents", pad_id=7, return_ids=True)
+               for r in range(2)]
+    assert loaders[0].order.n_samples == tf.n_docs
+    padded, masked, seen = 0, 0, set()
+    for x, y, ids in (batch for loader in loaders for batch in loader):  # an epoch: every document once
+        for row, i in enumerate(ids.tolist()):
+            doc = torch.from_numpy(tf.sample(i, SEQ, mode="documents", pad_id=7))
+            n = int(tf.offsets[i + 1] - tf.offsets[i])  # the document's length
+            assert torch.equal(x[row], doc[:-1])
+            assert torch.equal(y[row, :n - 1], doc[1:n]) and bool((y[row, n - 1:] == -100).all())
+            padded += max(SEQ + 1 - n, 0)
+            seen.add(i)
+        masked += int((y == -100).sum())
+    assert len(seen) == tf.n_docs and padded and masked == padded  # some were padded, none trains on padding
+
+
+def test_a_resume_on_other_data_of_the_same_size_is_refused_unless_allowed(corpus, tmp_path):
+    """The saved position records the file's fingerprint: a file with as many samples but other
+    tokens (one id changed) is refused, naming the checksum; `allow_different_data` lets it go
+    on from the same position."""
+    loader = TokenLoader(corpus, SEQ, 16, micro_batch_size=4)
+    for _, _ in zip(range(8), loader):  # two steps
+        pass
+    state = loader.state_dict()
+    assert state["order"]["fingerprint"] == TokenFile(corpus).fingerprint()
+    source = TokenFile(corpus)
+    tokens = np.array(source.tokens)
+    tokens[7] = (tokens[7] + 1) % 500
+    docs = [tokens[int(a):int(b)] for a, b in zip(source.offsets[:-1], source.offsets[1:])]
+    other = write_tokens(tmp_path / "edited.tokens", docs, vocab_size=source.vocab_size)
+    assert TokenFile(other).n_tokens == source.n_tokens
+    with pytest.raises(ValueError, match="checksum"):
+        TokenLoader(other, SEQ, 16, micro_batch_size=4).load_state_dict(state)
+    allowed = TokenLoader(other, SEQ, 16, micro_batch_size=4, allow_different_data=True)
+    allowed.load_state_dict(state)
+    assert allowed.order.consumed == loader.order.consumed == 32
