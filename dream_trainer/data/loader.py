@@ -22,7 +22,9 @@ the same samples, and a group that heals takes the cursor of the peer it heals f
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +147,11 @@ class TokenLoader(_Options):
         pin_memory: yield the batches in pinned host memory, every tensor contiguous (their
             copy to a GPU is then non-blocking and overlaps the step). None: pin when
             `world`'s device is CUDA.
+        prefetch: micro-batches read ahead on a background thread (into pinned memory when
+            pinning), so a read from cold storage overlaps the step instead of stalling it.
+            None: 2 when pinning (a GPU), else 0 (the step and the read would share the CPU).
+            Not with a fault-tolerant quorum (each micro-batch there waits for the step's
+            quorum).
         allow_different_data: the saved position records the token file's fingerprint
             (`TokenFile.fingerprint`: sizes, vocabulary, checksum); a resume on a file with
             another one is refused unless this is True.
@@ -163,7 +170,7 @@ class TokenLoader(_Options):
                  mode: str = "windows", shuffle: bool = True, pad_id: int = 0, dtype: str | None = None,
                  return_ids: bool = False, pin_memory: bool | None = None, ignore_index: int = IGNORE_INDEX,
                  mask_document_boundaries: bool = False, document_info: bool = False,
-                 allow_different_data: bool = False):
+                 allow_different_data: bool = False, prefetch: int | None = None):
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"TokenLoader(seq_len={seq_len!r}): expected an int >= 1")
         self._set_options("TokenLoader", mode, pad_id, ignore_index, mask_document_boundaries, document_info)
@@ -175,6 +182,11 @@ class TokenLoader(_Options):
         if pin_memory is None:
             pin_memory = getattr(getattr(world, "device", None), "type", None) == "cuda"
         self.pin_memory = bool(pin_memory)
+        if prefetch is None:
+            prefetch = 2 if self.pin_memory else 0
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"TokenLoader(prefetch={prefetch!r}): expected an int >= 0 (micro-batches read ahead)")
+        self.prefetch = prefetch
         self.micro_batch_size, self.accumulation_steps = split_global_batch(global_batch_size, dp_size, micro_batch_size)
         self.global_batch_size = global_batch_size
         n_samples = self.file.n_samples(seq_len, mode)
@@ -221,18 +233,53 @@ class TokenLoader(_Options):
         return self._epoch_batches()
 
     def _epoch_batches(self) -> Iterator[Any]:
-        """The rest of the cursor's epoch (the next epoch when it is used up)."""
-        order, per_rank, micro = self.order, self.global_batch_size // self.dp_size, self.micro_batch_size
+        """The rest of the cursor's epoch (the next epoch when it is used up). The cursor moves
+        as batches are handed out, not as they are read ahead."""
+        order = self.order
         if not order.has_batch():
             order.epoch, order.consumed, self._micro = order.epoch + 1, 0, 0
-        while order.has_batch():
-            share = order.peek()[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
-            index = self._micro
-            self._micro += 1
-            if self._micro == self.accumulation_steps:  # the step's last micro-batch: the cursor moves now,
-                order.advance()  # so that a checkpoint after this step holds the next position
-                self._micro = 0
-            yield self._batch(share[index * micro:(index + 1) * micro])
+        if not self.prefetch:
+            for ids, ends_step in self._planned():
+                self._handed_out(ends_step)
+                yield self._batch(ids)
+            return
+        reader = ThreadPoolExecutor(1, thread_name_prefix="TokenLoader-prefetch")
+        ahead: deque[tuple[Future[Any], bool]] = deque()
+        try:
+            for ids, ends_step in self._planned():
+                ahead.append((reader.submit(self._batch, ids), ends_step))
+                if len(ahead) > self.prefetch:
+                    yield self._take(ahead)
+            while ahead:
+                yield self._take(ahead)
+        finally:  # also when the consumer stops early: reads not handed out are dropped
+            reader.shutdown(wait=True, cancel_futures=True)  # a read under way finishes; the thread ends
+
+    def _planned(self) -> Iterator[tuple[np.ndarray, bool]]:
+        """``(sample ids, ends its step)`` of this rank's micro-batches for the rest of the
+        cursor's epoch, from the cursor on; the cursor stays."""
+        order, per_rank, micro = self.order, self.global_batch_size // self.dp_size, self.micro_batch_size
+        epoch, consumed, first = order.epoch, order.consumed, self._micro
+        while consumed + self.global_batch_size <= order.n_samples:
+            start = consumed + self.dp_rank * per_rank
+            share = order.ids(epoch, start, start + per_rank)
+            for index in range(first, self.accumulation_steps):
+                yield share[index * micro:(index + 1) * micro], index == self.accumulation_steps - 1
+            first, consumed = 0, consumed + self.global_batch_size
+
+    def _take(self, ahead: deque[tuple[Future[Any], bool]]) -> Any:
+        future, ends_step = ahead.popleft()
+        batch = future.result()
+        self._handed_out(ends_step)
+        return batch
+
+    def _handed_out(self, ends_step: bool) -> None:
+        """A micro-batch is handed out: on the step's last one the cursor moves, so that a
+        checkpoint after this step holds the next position."""
+        self._micro += 1
+        if ends_step:
+            self.order.advance()
+            self._micro = 0
 
     def _quorum_batches(self) -> Iterator[Any]:
         world, order = self.world, self.order

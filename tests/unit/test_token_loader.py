@@ -144,3 +144,42 @@ def test_a_resume_on_other_data_of_the_same_size_is_refused_unless_allowed(corpu
     allowed = TokenLoader(other, SEQ, 16, micro_batch_size=4, allow_different_data=True)
     allowed.load_state_dict(state)
     assert allowed.order.consumed == loader.order.consumed == 32
+
+
+def _pairs(loader: TokenLoader, n: int) -> list[tuple[np.ndarray, dict]]:
+    """The first `n` micro-batches (across epochs) and the loader's position after each."""
+    out: list[tuple[np.ndarray, dict]] = []
+    while len(out) < n:
+        for batch in loader:
+            out.append((batch[2].numpy().copy(), loader.state_dict()))
+            if len(out) == n:
+                break
+    return out
+
+
+@pytest.mark.parametrize("dp_rank", [0, 1])
+def test_read_ahead_hands_out_the_same_batches_and_positions(corpus, dp_rank):
+    """prefetch=3 (a background thread reading ahead) gives the same micro-batches and, after
+    each, the same saved position as reading in the step, over epoch ends, with accumulation;
+    a loop stopped early leaves the cursor where it stopped (reads ahead are not consumed) and
+    its reading thread ends."""
+    import threading
+
+    kwargs = dict(micro_batch_size=8, dp_rank=dp_rank, dp_size=2, return_ids=True)
+    plain = TokenLoader(corpus, SEQ, 64, **kwargs)
+    ahead = TokenLoader(corpus, SEQ, 64, prefetch=3, **kwargs)
+    assert plain.prefetch == 0 and plain.steps_per_epoch * plain.accumulation_steps < 40  # epochs turn over
+    for (a, sa), (b, sb) in zip(_pairs(plain, 40), _pairs(ahead, 40), strict=True):
+        assert np.array_equal(a, b) and sa == sb
+    stopped = TokenLoader(corpus, SEQ, 64, prefetch=3, **kwargs)
+    it = iter(stopped)
+    first = [next(it)[2] for _ in range(6)]  # a step and a half (4 micro-batches a step)
+    assert stopped.state_dict()["micro"] == 2
+    it.close()
+    resumed = TokenLoader(corpus, SEQ, 64, **kwargs)
+    resumed.load_state_dict(stopped.state_dict())
+    expected = _pairs(TokenLoader(corpus, SEQ, 64, **kwargs), 7)
+    assert np.array_equal(next(iter(resumed))[2], expected[6][0]) and np.array_equal(first[5], expected[5][0])
+    assert not [t for t in threading.enumerate() if t.name.startswith("TokenLoader-prefetch")]
+    with pytest.raises(ValueError, match=r"prefetch=-1.*int >= 0"):
+        TokenLoader(corpus, SEQ, 8, prefetch=-1)
