@@ -13,10 +13,20 @@ trainer saves it once per run (``trainer.data`` in a checkpoint), so it loads in
 number of ranks: a resume seeks to it, it never replays batches.
 
 Under fault tolerance (a world with a quorum, ``world.step_slot()``) the global batch stays
-the run's: each step's global batch is split evenly over the participating replica groups
-(the micro-batch shrinks as groups join, grows as they leave, the accumulation stays), and
-the cursor moves only when a step is committed: a step that is not committed is retried on
-the same samples, and a group that heals takes the cursor of the peer it heals from.
+the run's: each step's global batch of ``G`` samples is split over its ``S = participants x
+ranks per group x accumulation`` micro-batch slots (the micro-batch shrinks as groups join,
+grows as they leave, the accumulation stays). Slot ``k = (replica_rank * ranks + dp_rank) *
+accumulation + micro_index`` takes positions ``[k*G//S, (k+1)*G//S)`` of the step's global
+batch: every sample exactly once, sizes differing by at most one; only ``G < S`` (an empty
+slot) is refused. When ``S`` does not divide ``G`` every micro-batch of the step carries a
+``loss_weight`` of ``n * S / G`` (``n``: its samples; a `dream_trainer.data.weighted`
+batch, still a tuple or a `DocumentBatch`) that `AbstractTrainer.backward` multiplies the
+mean loss by, so the update is the whole global batch's mean loss's, as with an even split.
+That weighting is by samples: with masked targets (``ignore_index``: documents' padding,
+masked boundaries) a sample-weighted mean of per-micro-batch token means is not the global
+batch's token mean (neither is an even split's). The cursor moves only when a step is
+committed: a step that is not committed is retried on the same samples, and a group that
+heals takes the cursor of the peer it heals from.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from dream_trainer.data.documents import (
     sample_arrays,
 )
 from dream_trainer.data.tokens import GlobalOrder, TokenFile, split_global_batch
+from dream_trainer.data.weighted import with_loss_weight
 
 __all__ = ["TokenDataset", "TokenLoader"]
 
@@ -289,22 +300,28 @@ class TokenLoader(_Options):
                 if self._pending is not None and committed > self._pending:  # the previous step was committed
                     order.advance()
                 self._attempt, self._pending = attempt, committed
-            yield self._batch(self._quorum_ids(participants, replica_rank, micro_index))
+            ids, weight = self._quorum_ids(participants, replica_rank, micro_index)
+            batch = self._batch(ids)
+            yield batch if weight is None else with_loss_weight(batch, weight)
 
-    def _quorum_ids(self, participants: int, replica_rank: int, micro_index: int) -> np.ndarray:
-        """Samples of one micro-batch when `participants` groups share the global batch."""
-        per_group, ranks, accumulation = self.global_batch_size, self.dp_size, self.accumulation_steps
-        if per_group % (participants * ranks * accumulation):
-            fits = [n for n in range(1, per_group + 1) if per_group % (n * ranks * accumulation) == 0]
+    def _quorum_ids(self, participants: int, replica_rank: int, micro_index: int) -> tuple[np.ndarray, float | None]:
+        """Samples of one micro-batch when `participants` groups share the global batch, and
+        its loss weight: None when the step's slots split the global batch evenly, else
+        ``n * slots / global_batch_size`` (see the module docstring)."""
+        total, ranks, accumulation = self.global_batch_size, self.dp_size, self.accumulation_steps
+        slots = participants * ranks * accumulation
+        if total < slots:
             raise ValueError(
-                f"global_batch_size={per_group} cannot be split evenly over {participants} replica groups x {ranks} "
-                f"rank(s) x {accumulation} micro-batch(es); quorum sizes it can be split over: {fits}")
+                f"global_batch_size={total} is fewer samples than the {slots} micro-batch slots of a step "
+                f"({participants} replica group(s) x {ranks} rank(s) x {accumulation} micro-batch(es)): a slot would "
+                f"be empty; at most {total // (ranks * accumulation)} group(s) can share it")
         if micro_index >= accumulation:
             raise ValueError(f"micro-batch {micro_index + 1} of a step, but the loader's accumulation is "
                              f"{accumulation}: set TrainingParameters.global_batch_size/micro_batch_size for the trainer")
-        micro = per_group // (participants * ranks * accumulation)
-        start = (replica_rank * ranks * accumulation + self.dp_rank * accumulation + micro_index) * micro
-        return self.order.peek()[start:start + micro]
+        slot = (replica_rank * ranks + self.dp_rank) * accumulation + micro_index
+        start, stop = slot * total // slots, (slot + 1) * total // slots
+        weight = None if total % slots == 0 else (stop - start) * slots / total
+        return self.order.peek()[start:stop], weight
 
     def _batch(self, ids: np.ndarray) -> tuple[torch.Tensor, ...] | DocumentBatch:
         tensors = self._arrays(ids, self.pin_memory)

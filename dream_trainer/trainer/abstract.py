@@ -164,8 +164,13 @@ class AbstractTrainer(ABC):
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, scaled by 1/`gradient_accumulation_steps` when accumulating.
-        With a callback that ``recovers_errors``, the ranks first agree that no rank's
-        ``training_step`` failed before its backward (see `on_train_step_error`)."""
+        A micro-batch that carries a ``loss_weight`` (an uneven share of the global batch:
+        `dream_trainer.data.weighted`, which `TokenLoader` yields under fault tolerance when
+        the quorum's slots do not divide the global batch) has its loss multiplied by it
+        too, so the step's update is the global batch's mean loss's; call this rather than
+        ``loss.backward()`` for that. With a callback that ``recovers_errors``, the ranks
+        first agree that no rank's ``training_step`` failed before its backward (see
+        `on_train_step_error`)."""
         self.stepper.backward(loss, self.gradient_accumulation_steps, **kwargs)
 
     def step(self, optimizer: Optimizer, model: nn.Module | None = None) -> torch.Tensor | None:

@@ -381,6 +381,7 @@ class BaseTrainer(AbstractTrainer):
         log_kind = self.metric_log.step_kind(step, self.config.logging_parameters.log_every_n_steps,
                                              self.callbacks.log_intervals)
         self.metric_log.gate = not accumulating and log_kind > 0
+        self.stepper.loss_weight = getattr(batch, "loss_weight", None)  # before the transfer: this batch's own
         self.stepper.batch_arrived(batch, step)
         return accumulating, log_kind
 

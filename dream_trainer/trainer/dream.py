@@ -142,6 +142,11 @@ class DreamTrainer(BaseTrainer):
                 loss = loss_fn(model(*inputs) if isinstance(inputs, tuple) else model(inputs), target)
                 self.backward(loss)
             return self._context_mean(loss.detach())
+        if self.stepper.loss_weight is not None:  # every rank's batch carries one when any does: agreed
+            raise NotImplementedError(
+                f"a micro-batch with loss_weight={self.stepper.loss_weight} (an uneven share of the global batch) "
+                "under pipeline parallelism: the schedule does not weight its loss; use a global batch that the "
+                "quorum's micro-batch slots divide")
         self.stepper.before_backward()
         loss = self.pipeline_runtime.train_step(inputs, target, loss_fn, self.gradient_accumulation_steps)
         self.stepper.after_loss(loss)

@@ -90,15 +90,20 @@ class Stepper:
     def __init__(self, trainer: StepOwner) -> None:
         self.trainer = trainer
         self.path = StepPath()
+        self.loss_weight: float | None = None  # the current micro-batch's (its batch's ``loss_weight``)
 
     # ------------------------------------------------------------------ the step API's work
     def backward(self, loss: torch.Tensor, accumulation: int, **kwargs: Any) -> None:
-        """``loss.backward()``, scaled by 1/`accumulation` when accumulating, after the
-        agreement of `before_backward`."""
+        """``loss.backward()``, scaled by 1/`accumulation` when accumulating and by the
+        micro-batch's `loss_weight` when it carries one other than 1, after the agreement
+        of `before_backward`."""
         self.before_backward()
         if self.path.backward_loss_wanted:  # a monitor decides on this step's loss before its update
             self.path.stats.add_backward(loss)
-        if accumulation > 1:
+        weight = self.loss_weight
+        if weight is not None and weight != 1:  # an uneven share of the global batch: one multiply
+            loss = loss * (weight / accumulation)
+        elif accumulation > 1:
             loss = loss / accumulation
         loss.backward(**kwargs)
 

@@ -64,7 +64,11 @@ class BatchTransfer:
         else:
             self._copy_on_side_stream(leaves, moving)
         self.copies += len(moving)
-        return tree_unflatten(leaves, spec)
+        moved = tree_unflatten(leaves, spec)
+        weight = getattr(batch, "loss_weight", None)  # a weighted share of the global batch (data.weighted)
+        if weight is not None and getattr(moved, "loss_weight", None) != weight:
+            moved.loss_weight = weight  # a named tuple's pytree rebuild drops its attributes
+        return moved
 
     def _copy_on_side_stream(self, leaves: list[Any], moving: list[int]) -> None:
         """Copy on the side stream; the compute stream waits for the copies (a device-side
