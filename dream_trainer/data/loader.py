@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from dream_trainer.data.blend import BlendOrder, TokenBlend
 from dream_trainer.data.documents import (
     IGNORE_INDEX,
     DocumentBatch,
@@ -129,7 +130,11 @@ class TokenLoader(_Options):
     module docstring).
 
     Args:
-        data: a `TokenFile` or its path.
+        data: a `TokenFile` or its path; or a blend of several (`dream_trainer.data.blend`):
+            a `TokenBlend`, ``[(file, weight), ...]`` (named by the files' stems) or ``{name:
+            (file, weight)}``. A blend's sample ids (`return_ids`, ``sample_ids``) are ``(n, 2)``
+            rows ``[source index, id in the source]``; `source_counts` and `log_metrics` give
+            its exact per-source counts.
         seq_len: tokens per sample (each sample reads ``seq_len + 1``: inputs and targets).
         global_batch_size: samples per optimizer step over all data-parallel ranks.
         world: the trainer's world (``dp_rank``/``dp_size``; a fault-tolerant world's quorum).
@@ -137,11 +142,12 @@ class TokenLoader(_Options):
         micro_batch_size: samples per forward pass on one rank; the accumulation is
             ``global_batch_size / (dp_size * micro_batch_size)``. None: one micro-batch per
             rank and step.
-        seed: the order's seed. mode: ``"windows"`` (sample ``i``: tokens ``i * seq_len`` to
+        seed: the order's seed (a blend's: an int >= 0). mode: ``"windows"`` (sample ``i``: tokens ``i * seq_len`` to
             ``(i + 1) * seq_len`` of the stream, and the next one) or ``"documents"``
             (sample ``i``: document ``i``, cropped to ``seq_len + 1`` tokens; a shorter one's
             inputs are right-padded with `pad_id`, its targets there are `ignore_index`).
-        shuffle: False: the file's order (epoch after epoch).
+        shuffle: False: the file's order (epoch after epoch); a blend's sources each in
+            their file's order, a step's global batch not mixed (source after source).
         pad_id: the inputs' padding in ``mode="documents"``: a token id (an int >= 0; the
             model embeds it, the loss never sees it).
         ignore_index: the target of a position the loss skips (a negative int; -100 is what
@@ -165,7 +171,8 @@ class TokenLoader(_Options):
             quorum).
         allow_different_data: the saved position records the token file's fingerprint
             (`TokenFile.fingerprint`: sizes, vocabulary, checksum); a resume on a file with
-            another one is refused unless this is True.
+            another one is refused unless this is True (a blend: also other sources, weights or
+            sizes; it then goes on from the saved step with this blend's apportionment).
 
     Use `for_trainer` in ``configure_dataloaders``: it takes the global and micro-batch sizes
     from ``TrainingParameters`` and the world and seed from the trainer.
@@ -176,7 +183,8 @@ class TokenLoader(_Options):
 
     NOMINAL_LENGTH = 2**62
 
-    def __init__(self, data: TokenFile | str | Path, seq_len: int, global_batch_size: int, *, world: Any = None,
+    def __init__(self, data: TokenFile | str | Path | TokenBlend | Any, seq_len: int, global_batch_size: int, *,
+                 world: Any = None,
                  dp_rank: int = 0, dp_size: int = 1, micro_batch_size: int | None = None, seed: int = 0,
                  mode: str = "windows", shuffle: bool = True, pad_id: int = 0, dtype: str | None = None,
                  return_ids: bool = False, pin_memory: bool | None = None, ignore_index: int = IGNORE_INDEX,
@@ -185,7 +193,10 @@ class TokenLoader(_Options):
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"TokenLoader(seq_len={seq_len!r}): expected an int >= 1")
         self._set_options("TokenLoader", mode, pad_id, ignore_index, mask_document_boundaries, document_info)
-        self.file = _open(data, dtype)
+        if isinstance(data, (list, tuple, dict)):  # [(file, weight), ...] or {name: (file, weight)}
+            data = TokenBlend(data, dtype=dtype)
+        self.blend: TokenBlend | None = data if isinstance(data, TokenBlend) else None
+        self.file = None if self.blend is not None else _open(data, dtype)  # type: ignore[assignment]
         self.seq_len, self.return_ids = seq_len, return_ids
         if world is not None:
             dp_rank, dp_size = world.dp_rank, world.dp_size
@@ -200,19 +211,29 @@ class TokenLoader(_Options):
         self.prefetch = prefetch
         self.micro_batch_size, self.accumulation_steps = split_global_batch(global_batch_size, dp_size, micro_batch_size)
         self.global_batch_size = global_batch_size
+        self.order: GlobalOrder | BlendOrder
+        if self.blend is not None:
+            self.order = BlendOrder(self.blend, seq_len, mode, global_batch_size, seed=seed, shuffle=shuffle,
+                                    allow_different_data=allow_different_data)
+            self._init_steps()
+            return
         n_samples = self.file.n_samples(seq_len, mode)
         if global_batch_size > n_samples:
             raise ValueError(f"TokenLoader: global_batch_size={global_batch_size} is more than the {n_samples} samples "
                              f"of {self.file.path} (seq_len={seq_len}, mode={mode!r})")
         self.order = GlobalOrder(n_samples, global_batch_size, seed=seed, shuffle=shuffle,
                                  fingerprint=self.file.fingerprint(), allow_different_data=allow_different_data)
-        self.follows_quorum = callable(getattr(world, "step_slot", None))
+        self._init_steps()
+
+    def _init_steps(self) -> None:
+        self.follows_quorum = callable(getattr(self.world, "step_slot", None))
         self._micro = 0  # micro-batches of the current step handed out (without a quorum)
         self._attempt: int | None = None  # the quorum's step attempt being served
         self._pending: int | None = None  # committed steps when the served step began (with a quorum)
 
     @classmethod
-    def for_trainer(cls, trainer: Any, data: TokenFile | str | Path, seq_len: int, **kwargs: Any) -> TokenLoader:
+    def for_trainer(cls, trainer: Any, data: TokenFile | str | Path | TokenBlend | Any, seq_len: int,
+                    **kwargs: Any) -> TokenLoader:
         """A loader for `trainer`: ``TrainingParameters.global_batch_size`` (required) and
         ``micro_batch_size``, the trainer's world and seed; `kwargs` as in the constructor."""
         training = trainer.training_parameters
@@ -224,7 +245,8 @@ class TokenLoader(_Options):
 
     @property
     def steps_per_epoch(self) -> int:
-        """Optimizer steps per pass over the data (an epoch's remainder is dropped)."""
+        """Optimizer steps per pass over the data (an epoch's remainder is dropped); a blend's
+        epoch is nominal: ``sum(samples of its sources) // global_batch_size`` steps."""
         return self.order.n_samples // self.global_batch_size
 
     def __len__(self) -> int:
@@ -237,6 +259,25 @@ class TokenLoader(_Options):
         every epoch's start, also after a resume). Ignored with a quorum."""
         if not self.follows_quorum and epoch != self.order.epoch:
             self.order.epoch, self.order.consumed, self._micro = epoch, 0, 0
+
+    def source_counts(self) -> dict[str, int]:
+        """A blend's samples taken so far from each source (exact: the apportionment of the
+        global batches the cursor has passed; a step counts once its last micro-batch is
+        handed out, or with a quorum once it is committed)."""
+        if not isinstance(self.order, BlendOrder):
+            raise ValueError(f"source_counts() counts a blend's sources; this loader reads one file, {self.file.path}")
+        return dict(zip(self.order.blend.names, self.order.counts()))
+
+    def log_metrics(self, prefix: str = "data/") -> dict[str, float]:
+        """For ``trainer.log_dict``: a blend's ``{prefix}samples/<source>`` (`source_counts`)
+        and ``{prefix}epochs/<source>`` (passes over that source, fractional); ``{}`` for one file."""
+        if not isinstance(self.order, BlendOrder):
+            return {}
+        metrics: dict[str, float] = {}
+        for (name, taken), size in zip(self.source_counts().items(), self.order.sizes):
+            metrics[f"{prefix}samples/{name}"] = float(taken)
+            metrics[f"{prefix}epochs/{name}"] = taken / size
+        return metrics
 
     def __iter__(self) -> Iterator[Any]:
         if self.follows_quorum:
@@ -323,6 +364,14 @@ class TokenLoader(_Options):
         weight = None if total % slots == 0 else (stop - start) * slots / total
         return self.order.peek()[start:stop], weight
 
+    def _arrays(self, ids: np.ndarray, pin: bool = False) -> list[torch.Tensor]:
+        if self.blend is None:
+            return super()._arrays(ids, pin)
+        assert isinstance(self.order, BlendOrder)
+        return self.order.gather(ids, lambda file, rows: _gather(
+            file, rows, self.seq_len, self.mode, self.pad_id, ignore_index=self.ignore_index,
+            mask_boundaries=self.mask_document_boundaries, document_info=self.document_info), pin)
+
     def _batch(self, ids: np.ndarray) -> tuple[torch.Tensor, ...] | DocumentBatch:
         tensors = self._arrays(ids, self.pin_memory)
         sample_ids = torch.from_numpy(ids.astype(np.int64)) if self.return_ids else None
@@ -342,10 +391,14 @@ class TokenLoader(_Options):
         """Seek to a saved position, from a run with any number of ranks. Refused: a
         position of another corpus, or one inside a step when the accumulation changed."""
         saved = state["order"]
-        if int(saved["n_samples"]) != self.order.n_samples:
+        blend = isinstance(self.order, BlendOrder)
+        if not blend and "blend" in saved:
+            raise ValueError(f"the saved data position is of a blend of {[s['name'] for s in saved['sources']]}; "
+                             f"this loader reads one file, {self.file.path}")
+        if not blend and int(saved["n_samples"]) != self.order.n_samples:
             raise ValueError(f"the saved data position is over {saved['n_samples']} samples, {self.file.path} has "
                              f"{self.order.n_samples} (seq_len={self.seq_len}, mode={self.mode!r}): not the same data")
-        if int(saved["global_batch_size"]) != self.global_batch_size:
+        if not blend and int(saved["global_batch_size"]) != self.global_batch_size:  # a blend refuses it
             logger.warning("the saved data position is of global_batch_size=%s, this run's is %d: the run goes on "
                            "from the same sample, with another global batch", saved["global_batch_size"],
                            self.global_batch_size)
