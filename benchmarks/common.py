@@ -70,6 +70,24 @@ def write_json(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     return out
 
 
+PROFILED_STEPS = 4
+"""``--profile``: after a run's timed window, 1 warm-up step and 3 profiled ones."""
+
+
+def step_profiler(after: int, root: str) -> Any:
+    """A `ProfileCallback` for the `PROFILED_STEPS` after the first `after` steps, its tables under `root`."""
+    from dream_trainer.callbacks import ProfileCallback
+
+    return ProfileCallback(skip_first=after, wait=0, warmup=1, active=PROFILED_STEPS - 1, with_stack=False,
+                           record_shapes=False, row_limit=30, output_dir=os.path.join(root, "profile"))
+
+
+def profile_table(profiler: Any) -> str | None:
+    """The ops table `step_profiler` wrote (by device time on CUDA), or None."""
+    tables = [p.read_text() for p in (profiler.exported if profiler else []) if p.name.startswith("key_averages")]
+    return tables[0] if tables else None
+
+
 def _sync(trainer: Any) -> None:
     if trainer.world.device.type == "cuda":
         torch.cuda.synchronize()  # deliberate: the window's edges are device time

@@ -52,7 +52,7 @@ from dream_trainer import LoggingParameters, TrainerConfig, TrainingParameters  
 from dream_trainer.callbacks.step_window import StepWindowCallback  # noqa: E402
 from dream_trainer.testing import spawn_world  # noqa: E402
 
-from common import device_name, machine, spread, verdict, write_json  # noqa: E402  (benchmarks/common.py)
+from common import PROFILED_STEPS, device_name, machine, profile_table, spread, step_profiler, verdict, write_json  # noqa: E402,E501
 
 SIZES = {  # name -> (n_layer, n_head, d_model, autocast dtype or None)
     "small": (2, 2, 64, None), "demo": (4, 4, 128, None), "wide": (4, 8, 256, None),
@@ -61,7 +61,6 @@ SIZES = {  # name -> (n_layer, n_head, d_model, autocast dtype or None)
 DEFAULT_SIZES = {"cuda": "demo,demo-bf16,wide-bf16,large-bf16", "cpu": "small,demo,wide"}
 STRATEGIES = ("eager", "demo", "demo-nographs", "blocks", "model", "model-cudagraphs")
 DEFAULT_STRATEGIES = "eager,demo,blocks,model"
-PROFILED_STEPS = 4  # --profile: after the timed window, 1 warm-up step and 3 profiled ones
 
 
 class StrategyTrainer(GPTTrainer):
@@ -93,11 +92,8 @@ def _one(size: str, strategy: str, opts: dict[str, Any]) -> dict[str, Any]:
                            "--data-dir", os.path.join(opts["cache"], f"data_{size}")])
         timer = StepWindowCallback(warmup, parts=opts["parts"], last=total)
         callbacks: list[Any] = [timer]
-        if profiled:  # after the timed window: 1 warm-up step, then the profiled ones
-            from dream_trainer.callbacks import ProfileCallback
-
-            profiler = ProfileCallback(skip_first=total, wait=0, warmup=1, active=profiled - 1, with_stack=False,
-                                       record_shapes=False, row_limit=30, output_dir=os.path.join(root, "profile"))
+        profiler = step_profiler(total, root) if profiled else None  # after the timed window
+        if profiler:
             callbacks.append(profiler)
         StrategyTrainer.strategy = strategy
         config = TrainerConfig(
@@ -117,8 +113,7 @@ def _one(size: str, strategy: str, opts: dict[str, Any]) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - a strategy that does not work here is a result
             return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
         assert timer.step_s is not None and timer.first_step_s is not None
-        tables = [p.read_text() for p in (profiler.exported if profiled else []) if p.name.startswith("key_averages")]
-        return {"profile": tables[0] if tables else None, "step_s": timer.step_s, "part_step_s": timer.part_step_s,
+        return {"profile": profile_table(profiler), "step_s": timer.step_s, "part_step_s": timer.part_step_s,
                 "first_step_s": timer.first_step_s,
                 "compile_s": max(0.0, timer.first_step_s - timer.step_s), "tokens_per_s": batch * block / timer.step_s,
                 "wall_s": time.perf_counter() - start, "params": sum(p.numel() for p in trainer.model.parameters()),

@@ -55,12 +55,13 @@ from dream_trainer.callbacks.fp8 import float8_hardware  # noqa: E402
 from dream_trainer.callbacks.step_window import StepWindowCallback  # noqa: E402
 from dream_trainer.testing import spawn_world  # noqa: E402
 
-from common import device_name, machine, spread, verdict, write_json  # noqa: E402  (benchmarks/common.py)
+from common import PROFILED_STEPS, device_name, machine, profile_table, spread, step_profiler, verdict, write_json  # noqa: E402,E501
 
 VARIANTS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "fp8-tensorwise-fastacc")
 DEFAULT_VARIANTS = "bf16,fp8-tensorwise,fp8-rowwise"
 SHAPES = {  # model -> CUDA shape, CPU shape
     "mlp": ({"width": 4096, "tokens": 8192}, {"width": 512, "tokens": 512}),
+    "mlp-nobias": ({"width": 4096, "tokens": 8192}, {"width": 512, "tokens": 512}),
     "llama": ({"hidden": 4096, "ffn": 14336, "heads": 32, "kv_heads": 8, "seq": 2048, "batch": 4, "layers": 2},
               {"hidden": 256, "ffn": 768, "heads": 4, "kv_heads": 2, "seq": 128, "batch": 4, "layers": 2}),
 }
@@ -96,10 +97,10 @@ class Bench(DreamTrainer):
 
     def configure_models(self) -> None:
         s = self.shape
-        if self.kind == "mlp":
+        if self.kind.startswith("mlp"):
             layers: list[nn.Module] = []
             for _ in range(4):
-                layers += [nn.Linear(s["width"], s["width"]), nn.GELU()]
+                layers += [nn.Linear(s["width"], s["width"], bias=self.kind == "mlp"), nn.GELU()]
             self.model: nn.Module = nn.Sequential(*layers, nn.Linear(s["width"], HEAD))
         else:
             self.model = LlamaBlocks(LlamaConfig(
@@ -124,7 +125,7 @@ class Bench(DreamTrainer):
     def configure_dataloaders(self) -> tuple[Any, None]:
         s, device = self.shape, self.world.device
         g = torch.Generator(device=device).manual_seed(0)
-        shape = (s["tokens"], s["width"]) if self.kind == "mlp" else (s["batch"], s["seq"], s["hidden"])
+        shape = (s["tokens"], s["width"]) if self.kind.startswith("mlp") else (s["batch"], s["seq"], s["hidden"])
         batches = [torch.randn(shape, generator=g, device=device) for _ in range(4)]  # on the device: no copy
         return [batches[i % 4] for i in range(self.steps)], None
 
@@ -139,7 +140,7 @@ class Bench(DreamTrainer):
 
 
 def tokens_of(model: str, shape: dict[str, int]) -> int:
-    return shape["tokens"] if model == "mlp" else shape["batch"] * shape["seq"]
+    return shape["tokens"] if model.startswith("mlp") else shape["batch"] * shape["seq"]
 
 
 def run(model: str, variant: str, compiled: bool, opts: dict[str, Any]) -> dict[str, Any]:
@@ -158,11 +159,15 @@ def run(model: str, variant: str, compiled: bool, opts: dict[str, Any]) -> dict[
             callbacks.append(Fp8QuantizationCallback(variant.split("-")[1], display=False,
                                                      fast_accum=variant.endswith("-fastacc")))
         steps = opts["warmup"] + opts["steps"]
+        profiler = step_profiler(steps, root) if opts.get("profile") else None  # after the timed window
+        if profiler:
+            callbacks.append(profiler)
         config = TrainerConfig(
             experiment="fp8", root_dir=root, seed=0,
             device_parameters=DeviceParameters.SINGLE_DEVICE(device=device, compile_model=compiled,
                                                              autocast_dtype=torch.bfloat16),
-            training_parameters=TrainingParameters(n_epochs=None, max_steps=steps, val_every_n_steps=None,
+            training_parameters=TrainingParameters(n_epochs=None, max_steps=steps + (PROFILED_STEPS if profiler else 0),
+                                                   val_every_n_steps=None,
                                                    validate_at_epoch_end=False, num_sanity_val_steps=0),
             logging_parameters=LoggingParameters(log_every_n_steps=10**9, log_lr=False), callbacks=callbacks,
         )
@@ -174,9 +179,10 @@ def run(model: str, variant: str, compiled: bool, opts: dict[str, Any]) -> dict[
             peak = torch.cuda.max_memory_allocated() / 2**20
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
-        converted = len(callbacks[1].converted.get("model", [])) if len(callbacks) > 1 else 0
+        fp8 = [c for c in callbacks if isinstance(c, Fp8QuantizationCallback)]
+        converted = len(fp8[0].converted.get("model", [])) if fp8 else 0
         assert timer.step_s is not None
-        return {"tokens_per_s": tokens_of(model, shape) / timer.step_s, "step_ms": timer.step_s * 1e3,
+        return {"profile": profile_table(profiler), "tokens_per_s": tokens_of(model, shape) / timer.step_s, "step_ms": timer.step_s * 1e3,
                 "part_step_s": timer.part_step_s, "peak_mb": peak,
                 "converted_linears": converted, "first_step_s": timer.first_step_s,
                 "fused_adamw": bool(trainer.optimizer.param_groups[0]["fused"])}
@@ -233,6 +239,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--no-compile", action="store_true", help="eager runs only")
     p.add_argument("--sweep", default=None, help="CUDA: comma-separated widths of the matmul sweep "
                    "(default 512,1024,2048,4096,8192 on CUDA; 'none' to skip)")
+    p.add_argument("--profile", action="store_true", help="after each run's timed window, profile 3 steps: the ops "
+                   "table (by device time on CUDA) goes into the JSON and <out>.profile.txt")
     p.add_argument("--smoke", action="store_true", help="seconds: the mlp, eager, tiny, one round")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "fp8.json"))
     args = p.parse_args(argv)
@@ -256,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         _print_sweep(swept)
     with tempfile.TemporaryDirectory(prefix="fp8_inductor_") as cache:
         opts = {"device": device, "steps": args.steps, "warmup": args.warmup, "parts": args.parts, "shapes": shapes,
-                "cache": cache}
+                "cache": cache, "profile": args.profile}
         keys = [(m, v, c) for m in models for c in modes for v in variants]
         runs: dict[tuple[str, str, bool], list[dict[str, Any]]] = {k: [] for k in keys}
         for r in range(args.rounds):
@@ -278,6 +286,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {"rows": rows, "sweep": swept, "settings": vars(args), "shapes": shapes, "device": device,
               "device_name": device_name(device), "native_float8": hardware.native, "wall_s": wall, "machine": machine()}
     write_json(result, args.out)
+    if args.profile:  # the ops tables side by side, for reading
+        text = "\n\n".join(f"=== {row['model']} {row['variant']} {'compiled' if row['compiled'] else 'eager'} (round 1)\n"
+                            f"{row['runs'][0].get('profile')}" for row in rows)
+        Path(args.out).with_suffix(".profile.txt").write_text(text)
     print(f"({wall:.0f} s)")
     return result
 

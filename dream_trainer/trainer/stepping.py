@@ -105,7 +105,12 @@ class Stepper:
             loss = loss * (weight / accumulation)
         elif accumulation > 1:
             loss = loss / accumulation
-        loss.backward(**kwargs)
+        kind = loss.device.type
+        if torch.is_autocast_enabled(kind):  # the forward's autocast stays out of the backward (torch's advice):
+            with torch.autocast(kind, enabled=False):  # under it, eager backward ops re-dispatch through autocast
+                loss.backward(**kwargs)
+        else:
+            loss.backward(**kwargs)
 
     def before_backward(self) -> None:
         """With a callback that ``recovers_errors``: the ranks agree that none failed

@@ -379,6 +379,38 @@ def test_autocast_from_device_parameters():
     assert set(dtypes) == {torch.bfloat16}
 
 
+def test_autocast_covers_the_forward_but_not_the_backward():
+    """The configured autocast wraps the training step's forward; ``self.backward`` runs the
+    backward with autocast off (torch's advice: under it, eager backward ops re-dispatch
+    through autocast), and a custom backward that wants it turns it on itself."""
+    seen = {}
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen["forward"] = torch.is_autocast_enabled("cpu")
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen["backward"] = torch.is_autocast_enabled("cpu")
+            return grad
+
+    class Spy(ToyTrainer):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(Probe.apply(self.model(x)).float(), y)
+            self.backward(loss)
+            seen["after"] = torch.is_autocast_enabled("cpu")  # the step's context is back
+            self.step(self.optimizer)
+            return {"loss": loss}
+
+    cfg = make(max_steps=1).config
+    cfg.device_parameters = DeviceParameters.SINGLE_DEVICE(autocast_dtype=torch.bfloat16)
+    Spy(cfg).fit()
+    assert seen == {"forward": True, "backward": False, "after": True}
+
+
 class _AfterTheWorld(Callback):
     """Records what it sees in the two teardown hooks; raises in post_teardown if asked."""
 
