@@ -4,11 +4,13 @@ stub `scontrol` on PATH), and their precedence."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 
 import pytest
 
-from dream_trainer.cluster import ClusterError, detect, expand_hostlist, slurm_port, tasks_per_node
+from dream_trainer.cluster import (PORT_BASE, PORT_SPAN, ClusterError, detect, expand_hostlist, global_rank, slurm_port,
+                                   tasks_per_node)
 
 
 def slurm_env(procid: int, nodes: int = 2, per_node: int = 2, **extra: str) -> dict[str, str]:
@@ -87,14 +89,10 @@ def test_explicit_variables_win_over_slurm(no_scontrol):
 
 
 def test_slurm_variables_that_do_not_add_up_fail_clearly(no_scontrol):
-    with pytest.raises(ClusterError, match=r"different task counts \(2,1\)"):
-        detect(slurm_env(0, SLURM_STEP_TASKS_PER_NODE="2,1"))
-    with pytest.raises(ClusterError, match=r"SLURM_NTASKS=5 is not 2 nodes x 2 tasks per node"):
+    with pytest.raises(ClusterError, match=r"SLURM_STEP_TASKS_PER_NODE='2\(x2\)' lists 2 nodes and 4 tasks, but .*SLURM_NTASKS=5"):
         detect(slurm_env(0, SLURM_NTASKS="5"))
     with pytest.raises(ClusterError, match=r"\$SLURM_PROCID='zero' is not an integer"):
         detect(slurm_env(0, SLURM_PROCID="zero"))
-    with pytest.raises(ClusterError, match="rank 4 of 4"):
-        detect(slurm_env(4))
     env = slurm_env(0)
     del env["SLURM_STEP_NODELIST"], env["SLURM_JOB_NODELIST"]
     with pytest.raises(ClusterError, match="set MASTER_ADDR"):
@@ -106,7 +104,134 @@ def test_torchrun_multi_node_variables_give_the_node(no_scontrol):
                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x"})
     assert (env.node_rank, env.num_nodes, env.local_world_size) == (1, 2, 2)
     with pytest.raises(ClusterError, match="rank 2 of 2"):
-        detect({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+        detect(torchrun_env(2, 2, 2))
+
+
+def torchrun_env(rank: int, world: int, per_node: int, **extra: str) -> dict[str, str]:
+    """What torchrun's elastic agent gives worker `rank` (torch/distributed/elastic/agent/server)."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_node),
+            "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(rank // per_node),
+            "GROUP_WORLD_SIZE": str(world // per_node), "ROLE_RANK": str(rank), "MASTER_ADDR": "node01",
+            "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x", **extra}
+
+
+# The step of the issue: task 7 of 8 on 4 nodes, with a stray WORLD_SIZE from the batch script.
+STEP_OF_8 = {"SLURM_JOB_ID": "123456", "SLURM_STEP_ID": "0", "SLURM_PROCID": "7", "SLURM_NTASKS": "8",
+             "SLURM_STEP_NUM_NODES": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x4)",
+             "SLURM_STEP_NODELIST": "gpu-[001-003,010]", "SLURM_LOCALID": "1", "SLURM_NODEID": "3"}
+
+
+# ---------------------------------------------------------------------- which launcher: one rule
+def test_a_lone_world_size_exported_in_a_job_script_does_not_hide_the_slurm_step(no_scontrol):
+    env = detect({**STEP_OF_8, "WORLD_SIZE": "8"})
+    assert (env.source, env.rank, env.world_size, env.local_rank, env.node_rank, env.num_nodes) == ("slurm", 7, 8, 1, 3, 4)
+    assert (env.master_addr, env.master_port) == ("gpu-001", slurm_port("123456", "0"))
+    assert global_rank({**STEP_OF_8, "WORLD_SIZE": "8"}) == 7
+    # Any of torchrun's rank variables that agree with the step are ignored alike.
+    agreeing = {**STEP_OF_8, "RANK": "7", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "3"}
+    assert (detect(agreeing).source, detect(agreeing).rank) == ("slurm", 7)
+
+
+def test_part_of_torchrun_that_contradicts_the_step_fails_at_once_naming_both(no_scontrol):
+    with pytest.raises(ClusterError, match=r"WORLD_SIZE=16 but SLURM_NTASKS=8.*Unset WORLD_SIZE"):
+        detect({**STEP_OF_8, "WORLD_SIZE": "16"})
+    with pytest.raises(ClusterError, match=r"RANK=0 but SLURM_PROCID=7; GROUP_RANK=0 but SLURM_NODEID=3"):
+        global_rank({**STEP_OF_8, "RANK": "0", "GROUP_RANK": "0"})
+    # torchrun's full set minus its rendezvous is not torchrun either: the missing ones are named.
+    partial = {**STEP_OF_8, **torchrun_env(0, 2, 2)}
+    del partial["MASTER_ADDR"], partial["MASTER_PORT"]
+    with pytest.raises(ClusterError, match=r"RANK=0 but SLURM_PROCID=7.*\(MASTER_ADDR, MASTER_PORT not set\)"):
+        detect(partial)
+
+
+def test_torchrun_is_its_full_set_and_wins_inside_a_slurm_step(no_scontrol):
+    # srun --ntasks-per-node=1 torchrun --nproc-per-node=2 ...: torchrun started these processes.
+    env = detect({**STEP_OF_8, **torchrun_env(5, 8, 2)})
+    assert (env.source, env.rank, env.local_rank, env.node_rank, env.num_nodes) == ("torchrun", 5, 1, 2, 4)
+    assert (env.master_addr, env.master_port) == ("node01", 29500)
+    assert global_rank({**STEP_OF_8, **torchrun_env(5, 8, 2)}) == 5
+    # The --nproc launcher, spawn_world and submitit set the same set without GROUP_RANK: the node is RANK // LOCAL_WORLD_SIZE.
+    submitit = {k: v for k, v in torchrun_env(3, 4, 2).items() if not k.startswith(("GROUP_", "ROLE_", "TORCHELASTIC"))}
+    assert (detect(submitit).source, detect(submitit).node_rank) == ("torchrun", 1)
+
+
+def test_part_of_torchrun_without_a_slurm_step_names_what_is_missing():
+    with pytest.raises(ClusterError, match=r"only partly set: WORLD_SIZE=2, but not RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, "
+                                           r"MASTER_ADDR, MASTER_PORT"):
+        detect({"WORLD_SIZE": "2"})
+    with pytest.raises(ClusterError, match=r"only partly set: RANK=1, .*but not MASTER_ADDR"):
+        global_rank({k: v for k, v in torchrun_env(1, 2, 2).items() if k != "MASTER_ADDR"})
+    # A batch script (no step) with a stray variable is no different.
+    with pytest.raises(ClusterError, match="only partly set: WORLD_SIZE=8"):
+        detect({k: v for k, v in {**STEP_OF_8, "WORLD_SIZE": "8"}.items() if k != "SLURM_STEP_ID"})
+    assert detect({"MASTER_ADDR": "h", "MASTER_PORT": "1234"}).source == "single"  # a rendezvous alone is no launcher
+
+
+def test_torchrun_nodes_of_different_sizes_are_refused():
+    # Nodes 0 and 1 ran --nproc-per-node 2, node 2 --nproc-per-node 4: rank 5 is node 2's second rank.
+    with pytest.raises(ClusterError, match=r"do not lay the ranks out by node: RANK=5, .*GROUP_RANK=2.*same --nproc-per-node"):
+        detect(torchrun_env(5, 8, 4, LOCAL_RANK="1", GROUP_RANK="2", GROUP_WORLD_SIZE="3"))
+    with pytest.raises(ClusterError, match="GROUP_WORLD_SIZE=3"):
+        detect(torchrun_env(3, 4, 2, GROUP_WORLD_SIZE="3"))
+
+
+# ---------------------------------------------------------------------- parsing SLURM's variables
+@pytest.mark.parametrize(("nodelist", "why"), [
+    ("gpu[1-2", "a '\\[' that is never closed"), ("[1-2]", r"the range \[1-2\] has no host name before it"),
+    ("gpu1-2]", "a '\\]' with no '\\[' before it"), ("gpu[1-[2]]", "a '\\[' inside a range"),
+    ("a,,b", "an empty host name"), ("gpu[1-2],", "an empty host name"), ("gpu 1", "'gpu 1' is not part of a host name"),
+])
+def test_malformed_node_lists_are_errors_naming_the_list(nodelist, why):
+    with pytest.raises(ClusterError, match=rf"malformed SLURM node list {re.escape(repr(nodelist))}: {why}"):
+        expand_hostlist(nodelist)
+
+
+def test_bad_ranges_in_a_node_list_are_errors():
+    for bad in ("gpu[3-1]", "gpu[]", "gpu[1-]"):
+        with pytest.raises(ClusterError, match=r"cannot read the range"):
+            expand_hostlist(bad)
+    assert expand_hostlist("gpu-[001-003,010]") == ["gpu-001", "gpu-002", "gpu-003", "gpu-010"]
+    assert expand_hostlist(" a.b_c-1 , d[9-10]e") == ["a.b_c-1", "d9e", "d10e"]
+
+
+def test_slurm_ids_out_of_range_are_errors(no_scontrol):
+    with pytest.raises(ClusterError, match=r"SLURM_NODEID=9 is out of range: the step has 4 nodes"):
+        detect({**STEP_OF_8, "SLURM_NODEID": "9"})
+    with pytest.raises(ClusterError, match=r"SLURM_PROCID=8 is out of range: SLURM_NTASKS=8"):
+        detect({**STEP_OF_8, "SLURM_PROCID": "8"})
+    with pytest.raises(ClusterError, match=r"SLURM_LOCALID=2 is out of range: node 3 holds 2 tasks \(SLURM_STEP_TASKS_PER_NODE"):
+        detect({**STEP_OF_8, "SLURM_LOCALID": "2"})
+    # srun --distribution=cyclic: task 1 on node 1, not node 0. The mesh needs ranks by node.
+    with pytest.raises(ClusterError, match=r"SLURM_PROCID=1 is not where the block distribution puts .*--distribution=block"):
+        detect(slurm_env(1, SLURM_NODEID="1", SLURM_LOCALID="0"))
+    with pytest.raises(ClusterError, match=r"lists 3 nodes and 6 tasks, but the step has 4 nodes"):
+        detect({**STEP_OF_8, "SLURM_STEP_TASKS_PER_NODE": "2(x3)"})
+
+
+def test_nodes_with_different_task_counts_are_refused_saying_what_to_change(no_scontrol):
+    uneven = {**STEP_OF_8, "SLURM_NTASKS": "7", "SLURM_PROCID": "6", "SLURM_LOCALID": "0",
+              "SLURM_STEP_TASKS_PER_NODE": "2(x3),1"}
+    with pytest.raises(ClusterError, match=r"SLURM_STEP_TASKS_PER_NODE='2\(x3\),1' gives the nodes different task "
+                                           r"counts \(2, 2, 2, 1\).*--ntasks-per-node=N"):
+        detect(uneven)
+
+
+def test_derived_ports_differ_between_jobs_and_steps_that_could_share_a_node(no_scontrol):
+    assert slurm_port("10000") != slurm_port("20000")  # 15000 + the last 4 digits gave both 15000
+    assert slurm_port("4242") == slurm_port("4242", "0") == 15000 + 4242
+    # Jobs with nearby ids (those that run at the same time) never share a port, nor do one job's steps.
+    ids = range(123_000, 123_000 + PORT_SPAN)
+    assert len({slurm_port(str(job)) for job in ids}) == PORT_SPAN
+    assert len({slurm_port("123456", str(step)) for step in range(64)}) == 64
+    assert all(PORT_BASE <= slurm_port(str(job), str(step)) < min(PORT_BASE + PORT_SPAN, 32768)
+               for job in (0, 1, 99_999_999) for step in (0, 1, 7))
+    assert PORT_BASE <= slurm_port("not-a-number") < PORT_BASE + PORT_SPAN
+    # Every task of a step derives the same port; another step of the job, another one.
+    ports = {detect({**slurm_env(i), "SLURM_JOB_ID": "20000"}).master_port for i in range(4)}
+    assert ports == {slurm_port("20000", "0")}
+    assert detect({**slurm_env(0), "SLURM_JOB_ID": "20000", "SLURM_STEP_ID": "1"}).master_port not in ports
+    with pytest.raises(ClusterError, match=r"MASTER_PORT=70000 is not a TCP port"):
+        detect(slurm_env(0, MASTER_PORT="70000"))
 
 
 def test_a_world_reads_a_slurm_step(monkeypatch, no_scontrol):

@@ -158,7 +158,9 @@ def test_bad_plans_name_sizes_and_a_fix(params, world, local, match):
 def test_bad_plan_fails_at_trainer_construction(monkeypatch):
     from dream_trainer.testing import ToyTrainer
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():  # rank 0 of a torchrun world of 2
+        monkeypatch.setenv(key, value)
     with pytest.raises(MeshPlanError):
         ToyTrainer(TrainerConfig(device_parameters=DeviceParameters.SINGLE_DEVICE()))
 

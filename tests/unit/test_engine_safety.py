@@ -335,8 +335,9 @@ def test_missing_user_methods_fail_before_anything_is_built():
 
 
 def test_context_parallel_on_a_trainer_that_does_not_apply_it_is_rejected_clearly(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():  # rank 0 of a torchrun world of 2
+        monkeypatch.setenv(key, value)
     params = DeviceParameters(dp_replicate=1, context_parallel=2)
     from dream_trainer.trainer.base import BaseTrainer
 
