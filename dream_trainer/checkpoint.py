@@ -430,11 +430,11 @@ def _dcp_load(template: dict[str, Any], path: Path, **kwargs: Any) -> None:
 
     from dream_trainer.serialization import UnsafeStateError, safe_planner, safe_reader, unsafe_cause
 
+    reader = safe_reader(str(path))
     try:
-        dcp.load(template, checkpoint_id=str(path), storage_reader=safe_reader(str(path)), planner=safe_planner(),
-                 **kwargs)
-    except dcp_errors() as exc:  # truncated or damaged files, or a refused value
-        cause = unsafe_cause(exc)
+        dcp.load(template, checkpoint_id=str(path), storage_reader=reader, planner=safe_planner(), **kwargs)
+    except dcp_errors() as exc:  # truncated or damaged files, a refused value, or refused metadata
+        cause = reader.refused or unsafe_cause(exc)
         if isinstance(cause, UnsafeStateError):
             raise UnsafeStateError(f"checkpoint {path}: {cause}") from None
         if cause is not None:

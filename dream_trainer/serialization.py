@@ -14,7 +14,9 @@ loaded with a restricted deserializer:
 - DCP checkpoints are read with `SafeFileSystemReader` (its ``.metadata`` file, a pickle,
   through an unpickler that resolves only DCP's own metadata classes) and
   `SafeLoadPlanner` (DCP's non-tensor values with ``weights_only=True``; DCP itself loads
-  them with ``weights_only=False``);
+  them with ``weights_only=False``), and only from files inside the checkpoint's directory
+  (`confine_storage`: the metadata names the files, and DCP would follow an absolute path,
+  ``..`` or a symlink out of it);
 - a heal is received with ``weights_only=True`` as well (`dream_trainer.world`).
 
 Anything else fails to load with `UnsafeStateError`, which names the global the data asked
@@ -28,10 +30,12 @@ from __future__ import annotations
 import collections
 import enum
 import io
+import os
 import pickle
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -213,21 +217,59 @@ def read_dcp_metadata(stream: Any, what: str) -> Any:
         raise refusal(exc, what) from None
 
 
+def confine_storage(metadata: Any, root: str | os.PathLike[str], what: str) -> None:
+    """Raise `UnsafeStateError` unless every file DCP's `metadata` has its entries read from
+    lies inside the checkpoint directory `root`: DCP joins each entry's ``relative_path`` to
+    the directory, so an absolute path, a ``..`` out of it or a symlink out of it would make
+    a crafted checkpoint read any file this process can."""
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise CheckpointError(f"{what} is damaged: it holds no storage information (storage_data)")
+    base = Path(root).resolve()
+    for relative in {getattr(info, "relative_path", None) for info in storage.values()}:
+        if not isinstance(relative, str):
+            raise CheckpointError(f"{what} is damaged: a storage path is {relative!r}, not a file name")
+        try:
+            target = (base / relative).resolve()  # symlinks followed; an absolute `relative` replaces `base`
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise UnsafeStateError(f"{what} points a read at {relative!r}, which cannot be resolved inside the "
+                                   f"checkpoint directory {root} ({exc}): refused") from None
+        if Path(relative).is_absolute() or not target.is_relative_to(base):
+            raise UnsafeStateError(
+                f"{what} points a read at {relative!r}, which resolves to {target}, outside the checkpoint directory "
+                f"{root}: refused "
+                "(a checkpoint is read only from its own files; nothing was read)"
+            )
+
+
 def _reader_cls() -> type:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeFileSystemReader(FileSystemReader):  # type: ignore[misc]
-        """`FileSystemReader` whose ``.metadata`` is read by a restricted unpickler."""
+        """`FileSystemReader` whose ``.metadata`` is read by a restricted unpickler, and
+        which reads only files inside the checkpoint's directory (`confine_storage`)."""
+
+        refused: CheckpointError | None = None  # why `read_metadata` refused the checkpoint, if it did
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             path = self._get_metadata_path(kwargs.get("rank"))
-            with self.fs.create_stream(path, "rb") as stream:
-                metadata = read_dcp_metadata(stream, f"checkpoint metadata {path}")
+            try:
+                with self.fs.create_stream(path, "rb") as stream:
+                    metadata = read_dcp_metadata(stream, f"checkpoint metadata {path}")
+                confine_storage(metadata, self.path, f"checkpoint metadata {path}")
+            except CheckpointError as exc:
+                self.refused = exc  # dcp.load logs this error and goes on to a rank-local file: kept for its caller
+                raise
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
+
+        def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+            # Every rank checks the metadata DCP plans the load with, whoever read it.
+            confine_storage(metadata, self.path, f"the metadata of checkpoint {self.path}")
+            super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
     return SafeFileSystemReader
 

@@ -16,10 +16,16 @@ Waiting is done in short polls, so a signal (torchelastic stopping the ranks of 
 attempt, say) is handled at once rather than after the timeout. Every key of an attempt,
 the process groups' included, lives under a prefix rank 0 chooses for it (`roll_call`): a
 store that outlives a restart never hands out a dead attempt's keys.
+
+The store rank 0 serves listens on the address the other ranks connect to (``MASTER_ADDR``:
+``127.0.0.1`` for the ``--nproc`` launcher's ranks, node 0's address on several nodes;
+`listen_host`), not on every interface as c10d's ``TCPStore`` server does.
 """
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import json
 import logging
 import os
@@ -33,8 +39,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from dream_trainer.cluster import ClusterEnvironment
+from dream_trainer.world.sockets import listen_on
 
-__all__ = ["HEARTBEAT_S", "Heartbeat", "RendezvousError", "is_communication_error", "roll_call"]
+__all__ = ["HEARTBEAT_S", "Heartbeat", "RendezvousError", "is_communication_error", "listen_host", "roll_call"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,17 +82,62 @@ class Roster:
         return f"rank {rank} (node {node}{', host ' + hosts[0] if hosts else ''})"
 
 
+def listen_host(cluster: ClusterEnvironment, addr: str) -> str | None:
+    """The address rank 0's store listens on: the one `addr` (``MASTER_ADDR``, what the
+    other ranks connect to) names on this machine, an IPv4 one first. None (every interface,
+    c10d's default) when `addr` is a name that resolves to loopback here while ranks on other
+    nodes must reach it (a node's own name mapped to 127.0.1.1 in ``/etc/hosts``: they
+    resolve it to the node's real address, which a loopback listener would not answer), or
+    does not resolve."""
+    try:
+        return str(ipaddress.ip_address(addr))  # an address means the same to every rank
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    inet4 = [info[4][0] for info in infos if info[0] == socket.AF_INET]
+    address = str((inet4 or [infos[0][4][0]])[0])
+    loopback = ipaddress.ip_address(address.split("%")[0]).is_loopback
+    return None if loopback and cluster.num_nodes > 1 and addr != "localhost" else address
+
+
+def _serve(cluster: ClusterEnvironment, addr: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """Rank 0's store server, listening on `listen_host` only (c10d's would listen on
+    every interface); on every interface, with a warning, when that address is not one of
+    this machine's (a virtual address routed to it, say)."""
+    host = listen_host(cluster, addr)
+    if host is not None:
+        try:
+            fd = listen_on(host, port)
+        except OSError as exc:
+            if exc.errno != errno.EADDRNOTAVAIL:
+                raise
+            logger.warning("the rendezvous store listens on every interface: MASTER_ADDR=%s (%s) is not an address "
+                           "of this machine (%s)", addr, host, exc.strerror)
+        else:
+            return dist.TCPStore(host, port, cluster.world_size, is_master=True, timeout=timeout,
+                                 wait_for_workers=False, master_listen_fd=fd)
+    elif cluster.num_nodes > 1:
+        logger.warning("the rendezvous store listens on every interface: MASTER_ADDR=%s resolves to loopback (or to "
+                       "nothing) on rank 0's node; set MASTER_ADDR to the node's address to listen there only", addr)
+    return dist.TCPStore(addr, port, cluster.world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                         multi_tenant=True)
+
+
 def _store(cluster: ClusterEnvironment, timeout: timedelta, server: bool) -> dist.TCPStore:
-    """A client (or, on rank 0 without torchelastic's agent store, the server) of the run's
-    store, without waiting for the other ranks. A client first polls the port (quietly, and
-    so that signals are handled) until the store listens or `timeout` passes."""
+    """A client (or, on rank 0 without torchelastic's agent store, the server: `_serve`) of
+    the run's store, without waiting for the other ranks. A client first polls the port
+    (quietly, and so that signals are handled) until the store listens or `timeout` passes."""
     addr = cluster.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = cluster.master_port or int(os.environ.get("MASTER_PORT", "29500"))
     error = None if server else _wait_for_port(addr, port, time.monotonic() + timeout.total_seconds())
     if error is None:
         try:
-            return dist.TCPStore(addr, port, cluster.world_size if server else None, is_master=server,
-                                 timeout=timeout, wait_for_workers=False, multi_tenant=server)
+            if server:
+                return _serve(cluster, addr, port, timeout)
+            return dist.TCPStore(addr, port, None, is_master=False, timeout=timeout, wait_for_workers=False)
         except (RuntimeError, OSError) as exc:
             error = exc
     raise RendezvousError(

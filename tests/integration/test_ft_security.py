@@ -2,16 +2,15 @@
 refused, its command never runs), and a group's servers listen on the interface the run is
 configured for (loopback for a local run), not on every interface.
 
-What still listens on every interface during a local run (asserted below, documented in
-docs/fault_tolerance.md, Security): the in-group store of a multi-process group
-(``MASTER_ADDR:MASTER_PORT``, the c10d ``TCPStore`` that rank 0 of a launcher's
-rendezvous serves: torch binds it to every interface whatever ``MASTER_ADDR`` says).
-Everything else a group starts listens on loopback here: torchft's heal server and
-Manager gRPC server (bound by dream_trainer), a lone process's store (dream_trainer's,
-bound likewise), and gloo's pair sockets (gloo binds the address of this machine's
-hostname, or of ``GLOO_SOCKET_IFNAME``: loopback on this test machine, a LAN address on
-most clusters). The lighthouse of `dream_trainer.fault_tolerance.Lighthouse` listens where its ``bind``
-says (``127.0.0.1`` by default).
+Nothing a local run starts listens on every interface (asserted below, documented in
+docs/security.md): torchft's heal server and Manager gRPC server (bound by dream_trainer),
+a lone process's store (dream_trainer's, bound likewise), the in-group store of a
+multi-process group (``MASTER_ADDR:MASTER_PORT``, which rank 0 of the ``--nproc``
+launcher's rendezvous serves on ``MASTER_ADDR``: `dream_trainer.world.rendezvous`), and
+gloo's pair sockets (gloo binds the address of this machine's hostname, or of
+``GLOO_SOCKET_IFNAME``: loopback on this test machine, a LAN address on most clusters)
+listen on loopback here. The lighthouse of `dream_trainer.fault_tolerance.Lighthouse`
+listens where its ``bind`` says (``127.0.0.1`` by default).
 
 Every process is ended whatever happens; the tests wait on events (gate files, exits),
 never on timings.
@@ -153,10 +152,10 @@ def _environ(pid):
 def test_what_a_local_run_listens_on(tmp_path, lighthouse):
     """A local run (lighthouse on 127.0.0.1): a group of 2 ranks (a launcher's rendezvous)
     and a lone process, held before their first quorum (their Managers, heal servers and
-    stores are up). The lighthouse, every heal server, every Manager gRPC server and the
-    lone process's store listen on loopback only; the only socket of the run on every
-    interface is the in-group store of the 2-rank group (MASTER_PORT: torch's, see the
-    module docstring). Then the 2-rank group trains to the end."""
+    stores are up). The lighthouse, every heal server, every Manager gRPC server, the
+    lone process's store and the in-group store of the 2-rank group (MASTER_PORT) listen
+    on loopback only; nothing of the run listens on every interface. Then the 2-rank group
+    trains to the end."""
     pair, lone = _worker(tmp_path, 0, lighthouse, "--steps", "3", nproc=2), _worker(tmp_path, 1, lighthouse)
     groups = [pair, lone]
     try:
@@ -185,6 +184,7 @@ def test_what_a_local_run_listens_on(tmp_path, lighthouse):
         assert len(servers) == len(addresses[g]) + 1  # a heal server per rank, one Manager server per group
         for port in servers:
             assert [ip for ip, p in sockets[g] if p == port] == ["127.0.0.1"], (g, port, sockets[g])
+    assert len(store_ports) == 1, store_ports
+    assert [ip for ip, p in sockets[0] if p in store_ports] == ["127.0.0.1"], (sockets[0], store_ports)
     everywhere = {g: {p for ip, p in sockets[g] if _every_interface(ip)} for g in (0, 1)}
-    assert len(store_ports) == 1 and everywhere[0] == store_ports, (sockets[0], store_ports)
-    assert everywhere[1] == set(), sockets[1]  # the lone process's own store: loopback too
+    assert everywhere == {0: set(), 1: set()}, sockets  # the lone process's own store: loopback too
