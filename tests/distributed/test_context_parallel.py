@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.overrides import _get_current_function_mode_stack
 
 from dream_trainer.context_parallel import ContextParallel, head_tail_indices, sequence_positions
 from dream_trainer.testing import spawn_world
@@ -85,7 +86,7 @@ def _ring_vs_whole(causal: bool) -> dict:
     (out ** 2).sum().backward()
     grad = weight.grad.clone()
     dist.all_reduce(grad)  # each rank's share of the gradient
-    assert F.scaled_dot_product_attention is not cp._ring_sdpa  # restored
+    assert not _get_current_function_mode_stack()  # the ring's mode is gone after the region
     return {"out": out.detach(), "expected": whole.detach().index_select(2, torch.tensor(positions)),
             "grad": grad, "whole_grad": whole_grad, "positions": positions, "refused": refused}
 
