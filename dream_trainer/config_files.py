@@ -11,6 +11,11 @@ or called. Applying a mapping to a config:
 - a nested mapping goes into a dataclass-valued field (``training_parameters: {...}``);
 - a field whose value is not data, or one marked ``field(metadata={"code": True})`` (its
   values are objects: `TrainerConfig.callbacks`), cannot be set from a file;
+- a value is checked against the field's annotation (``int``, ``float``, ``bool``, ``str``,
+  ``Literal``, enums, ``Optional``/unions, tuples and lists of those, ``torch.dtype`` by name):
+  a mismatch is an error naming the key, the file, the expected type and the value
+  (`check_value`). A float field takes an int, and a string that reads as a number
+  (PyYAML reads ``1e-3`` as text);
 - every dataclass is rebuilt with ``dataclasses.replace``, so its own validation runs and a
   bad value fails naming the field and the file.
 """
@@ -19,15 +24,17 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import json
 import os
 import sys
-from collections.abc import Mapping
+import types as _types
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["FIXED_ON_RESUME", "ConfigError", "apply_config", "config_to_data", "field_types", "load_config_file",
-           "nearest"]
+__all__ = ["FIXED_ON_RESUME", "ConfigError", "apply_config", "check_value", "config_to_data", "describe_type",
+           "field_types", "load_config_file", "nearest"]
 
 T = TypeVar("T")
 
@@ -108,7 +115,7 @@ def apply_config(config: T, mapping: Mapping[str, Any], *, source: str | Path | 
         if isinstance(current, os.PathLike) and isinstance(value, str):  # a path field: its text
             changes[key] = value
             continue
-        if not _is_data(current) or fields[key].metadata.get("code"):
+        if not (_is_data(current) or isinstance(current, enum.Enum)) or fields[key].metadata.get("code"):
             raise ConfigError(f"config key {path!r}{where}: {type(config).__name__}.{key} holds "
                               "objects, which a config file cannot make (it holds data "
                               "only): set it in code")
@@ -116,11 +123,100 @@ def apply_config(config: T, mapping: Mapping[str, Any], *, source: str | Path | 
             raise ConfigError(f"config key {path!r}{where}: {value!r} is not plain data")
         if isinstance(value, str) and _admits_dtype(types.get(key)):
             value = _dtype(value, path, where)
+        else:
+            value = _checked(value, types.get(key, Any), path, where)
         changes[key] = tuple(value) if isinstance(current, tuple) and isinstance(value, list) else value
     try:
         return dataclasses.replace(config, **changes)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{prefix.rstrip('.') or type(config).__name__}{where}: {exc}") from exc
+
+
+def _checked(value: Any, annotation: Any, path: str, where: str) -> Any:
+    ok, converted = check_value(value, annotation)
+    if not ok:
+        raise ConfigError(f"config key {path!r}{where}: expected {describe_type(annotation)}, got {value!r} "
+                          f"({type(value).__name__})")
+    return converted
+
+
+def check_value(value: Any, annotation: Any) -> tuple[bool, Any]:
+    """Whether the plain-data `value` fits the field annotation `annotation`, and the value
+    to set (an int for a float field becomes a float; a list for a tuple field, a tuple).
+    An annotation it cannot check (``Any``, a class that is not data) admits anything."""
+    import typing
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is Any or isinstance(annotation, (str, typing.TypeVar)):
+        return True, value
+    if annotation is type(None) or annotation is None:
+        return value is None, value
+    if origin is typing.Literal:
+        return any(value == a and type(value) is type(a) for a in args), value
+    if origin is typing.Union or origin is _types.UnionType:
+        for arg in sorted(args, key=lambda a: a is float):  # an int stays an int where int fits
+            ok, converted = check_value(value, arg)
+            if ok:
+                return True, converted
+        return False, value
+    if origin in (tuple, list, Sequence):
+        if not isinstance(value, (list, tuple)):
+            return False, value
+        if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
+            if len(args) != len(value):
+                return False, value
+            items = [check_value(v, a) for v, a in zip(value, args)]
+        else:
+            items = [check_value(v, args[0] if args else Any) for v in value]
+        converted = [c for _, c in items]
+        return all(ok for ok, _ in items), tuple(converted) if origin is tuple else converted
+    if origin in (dict, Mapping):
+        return isinstance(value, dict), value
+    if annotation is bool:
+        return isinstance(value, bool), value
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if annotation is float:
+        return _as_float(value)
+    if annotation is str:
+        return isinstance(value, str), value
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        names = {m.name: m for m in annotation} | {str(m.value): m for m in annotation}
+        return (True, names[value]) if isinstance(value, str) and value in names else (False, value)
+    return True, value  # not plain data (a path, a dtype, an object): checked elsewhere
+
+
+def _as_float(value: Any) -> tuple[bool, Any]:
+    if isinstance(value, bool):
+        return False, value
+    if isinstance(value, (int, float)):
+        return True, float(value)
+    if isinstance(value, str):
+        try:
+            return True, float(value)
+        except ValueError:
+            return False, value
+    return False, value
+
+
+def describe_type(annotation: Any) -> str:
+    """`annotation` as a reader would write it: ``int``, ``'auto' | 'node' | int``, ``None | float``."""
+    import typing
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is type(None) or annotation is None:
+        return "None"
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin is typing.Union or origin is _types.UnionType:
+        return " | ".join(describe_type(a) for a in args)
+    if origin is not None:
+        inner = ", ".join("..." if a is Ellipsis else describe_type(a) for a in args)
+        name = getattr(origin, "__name__", str(origin))
+        return f"{name}[{inner}]" if args else name
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return " | ".join(repr(m.name) for m in annotation)
+    return getattr(annotation, "__name__", str(annotation))
 
 
 def config_to_data(config: Any) -> dict[str, Any]:
@@ -141,6 +237,8 @@ def _as_data(value: Any) -> Any:
         return config_to_data(value)
     if isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")
+    if isinstance(value, enum.Enum):
+        return value.name
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     if isinstance(value, (list, tuple)):

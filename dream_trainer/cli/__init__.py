@@ -7,8 +7,10 @@ it (`dream_trainer.cli.commands`). The config is `TrainerConfig` or a subclass h
 trainer's own fields; every field gets a dotted flag, typed, with its docstring as help.
 Layers, each over the one before: the script's `config`, the run's recorded config
 (``resume RUN``), the ``--config`` files in order, the presets (``--parallel fsdp``), the
-flags. Unknown flags and keys are errors naming the nearest ones. A usage error prints the
-usage and exits with status 2, as command lines do.
+flags. Unknown flags (of every form) and keys are errors naming the nearest ones; a file's
+values are checked against the field types. ``--help`` fits a screen, ``--help-all [GROUP]``
+lists every dotted flag (`dream_trainer.cli._help`). A usage error prints the usage and
+exits with status 2, as command lines do.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dream_trainer.config_files import ConfigError, apply_config, config_to_data, load_config_file
+from dream_trainer.config_files import ConfigError, apply_config, config_to_data, load_config_file, nearest
 
 __all__ = ["SUBCOMMANDS", "Command", "config_json", "main", "parse"]
 
@@ -43,7 +45,7 @@ _POSITIONAL = {"resume": "RUN", "export": "CHECKPOINT"}
 @dataclass
 class Command:
     """A parsed command line. `config`: the resolved config; `target`: ``resume``'s run or
-    ``export``'s checkpoint; `options`: the subcommand's own options."""
+    ``export``'s checkpoint; `options`: the subcommand's own options; `aliases`: the short flags."""
 
     name: str
     config: Any
@@ -53,6 +55,7 @@ class Command:
     config_files: list[str] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
     argv: list[str] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)
 
 
 def _options(parser: argparse.ArgumentParser, name: str, presets: Mapping[str, Mapping[str, Any]]) -> None:
@@ -60,6 +63,8 @@ def _options(parser: argparse.ArgumentParser, name: str, presets: Mapping[str, M
     add("--config", action="append", default=[], metavar="FILE",
         help="a JSON, TOML or YAML file of config values (repeat: later files override earlier ones)")
     add("--print-config", action="store_true", help="print the resolved config (JSON, a valid --config file) and exit")
+    add("--help-all", nargs="?", const="", default=None, metavar="GROUP",
+        help="list every config field's dotted flag with its help (GROUP: only that group's)")
     for preset, choices in presets.items():
         add(f"--{preset}", choices=sorted(choices), default=None, help=f"preset ({', '.join(sorted(choices))})")
     if name in ("train", "resume"):
@@ -104,7 +109,7 @@ def parse(config: C, argv: Sequence[str] | None = None, *, aliases: Mapping[str,
     name = args.pop(0) if args and args[0] in SUBCOMMANDS else "train"
     parser = argparse.ArgumentParser(prog=f"{prog or Path(sys.argv[0]).name} {name}", add_help=False,
                                      allow_abbrev=False, description=SUBCOMMANDS[name])
-    parser.add_argument("-h", "--help", action="store_true")
+    parser.add_argument("-h", "--help", action="store_true", help="this help (--help-all: every config field)")
     _options(parser, name, presets)
     target = None
     if name in _POSITIONAL:
@@ -115,20 +120,32 @@ def parse(config: C, argv: Sequence[str] | None = None, *, aliases: Mapping[str,
             target = args.pop(0)
     args = [_alias(token, aliases) for token in args]
     known, rest = parser.parse_known_args(args)
-    if known.help:
-        parser.print_help()
-        print(_epilog(aliases))
-        rest = ["--help"]
+    _help_and_exit(parser, known, config, aliases, description)
+    _check_flags(parser, rest, config, aliases)
+    base = _layers(parser, config, known, rest, target if name == "resume" else None, presets)
+    resolved = tyro.cli(type(config), args=rest, default=base, registry=registry(), use_underscores=True,
+                        prog=parser.prog, description=description)
+    own = ("help", "help_all", "config", "print_config", "init_from")
+    options = {k: v for k, v in vars(known).items() if k not in own and k.replace("_", "-") not in presets}
+    return Command(name=name, config=resolved, target=target, init_from=getattr(known, "init_from", None),
+                   print_config=known.print_config, config_files=list(known.config), options=options, argv=original,
+                   aliases=aliases)
+
+
+def _layers(parser: argparse.ArgumentParser, config: C, known: argparse.Namespace, rest: list[str],
+            resumed: str | None, presets: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> C:
+    """`config` with, in order, the record of the run `resumed`, the ``--config`` files and
+    the chosen presets applied (each checked against the field types)."""
     base = config
-    if name == "resume" and target is not None:
+    if resumed is not None:
         from dream_trainer.run_records import recorded_config
 
         where = {k: _peek(rest, k) or getattr(config, k) for k in ("root_dir", "experiment")}
         try:
-            recorded = recorded_config(target, dataclasses.replace(config, **where))
+            recorded = recorded_config(resumed, dataclasses.replace(config, **where))
         except ConfigError as exc:
             parser.error(str(exc))
-        base = _layer(parser, base, recorded, f"the record of run {target}")
+        base = _layer(parser, base, recorded, f"the record of run {resumed}")
     for path in known.config:
         try:
             base = apply_config(base, load_config_file(path), source=path)
@@ -138,12 +155,7 @@ def parse(config: C, argv: Sequence[str] | None = None, *, aliases: Mapping[str,
         choice = getattr(known, preset.replace("-", "_"))
         if choice is not None:
             base = _layer(parser, base, presets[preset][choice], f"--{preset} {choice}")
-    resolved = tyro.cli(type(config), args=rest, default=base, registry=registry(), use_underscores=True,
-                        prog=parser.prog, description=description)
-    options = {k: v for k, v in vars(known).items() if k not in ("help", "config", "print_config", "init_from")
-               and k.replace("_", "-") not in presets}
-    return Command(name=name, config=resolved, target=target, init_from=getattr(known, "init_from", None),
-                   print_config=known.print_config, config_files=list(known.config), options=options, argv=original)
+    return base
 
 
 def _alias(token: str, aliases: Mapping[str, str]) -> str:
@@ -169,12 +181,39 @@ def _layer(parser: argparse.ArgumentParser, config: C, mapping: Mapping[str, Any
         raise  # unreachable: parser.error exits
 
 
-def _epilog(aliases: Mapping[str, str]) -> str:
-    lines = ["", "subcommands:", *(f"  {name:<18} {text}" for name, text in SUBCOMMANDS.items())]
-    if aliases:
-        lines += ["", "short flags:", *(f"  {a:<18} {target}" for a, target in aliases.items())]
-    lines += ["", "config fields (dotted flags):"]
-    return "\n".join(lines)
+def _help_and_exit(parser: argparse.ArgumentParser, known: argparse.Namespace, config: Any,
+                   aliases: Mapping[str, str], description: str | None) -> None:
+    """``--help``: one screen; ``--help-all [GROUP]``: every dotted flag (of GROUP). Exits 0."""
+    from dream_trainer.cli._help import full_help, groups, short_help
+
+    if known.help_all is not None:
+        group = known.help_all.strip().removeprefix("--").rstrip(".")
+        names = groups(config)[1:]
+        if group and group not in names:
+            close = nearest(group, names)
+            parser.error(f"--help-all {group}: no such group; " + (f"did you mean {', '.join(close)}?" if close
+                                                                  else f"the groups are {', '.join(names)}"))
+        print(full_help(config, group or None, parser.prog))
+        parser.exit(0)
+    if known.help:
+        print(short_help(parser, config, aliases, SUBCOMMANDS, description))
+        parser.exit(0)
+
+
+def _check_flags(parser: argparse.ArgumentParser, rest: list[str], config: Any, aliases: Mapping[str, str]) -> None:
+    """An unknown flag (a dotted one, a short one, a subcommand's option) is an error naming
+    the nearest of them all, before tyro parses."""
+    from dream_trainer.cli._help import known_flags
+
+    known = {"--" + flag[2:].replace("-", "_"): shown for flag, shown in known_flags(config).items()}
+    for token in rest:
+        flag = token.partition("=")[0]
+        if not flag.startswith("--") or flag == "--" or "--" + flag[2:].replace("-", "_") in known:
+            continue
+        options = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]  # noqa: SLF001
+        close = nearest(flag, [*aliases, *options, *dict.fromkeys(known.values())])
+        hint = f": did you mean {' or '.join(close)}?" if close else " (--help lists the flags, --help-all every field)"
+        parser.error(f"unrecognized flag {flag}{hint}")
 
 
 def config_json(config: Any) -> str:

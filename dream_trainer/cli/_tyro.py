@@ -2,6 +2,8 @@
 
 - ``torch.dtype`` is parsed from its name (``--device_parameters.param_dtype bfloat16``);
 - a path field (``str | os.PathLike[str]``) is parsed as text;
+- a text field with listed allowed values (`dream_trainer.cli._help.CHOICES`:
+  ``device_parameters.pipeline.schedule``) takes only those;
 - a field marked ``field(metadata={"code": True})`` (its values are objects:
   `TrainerConfig.callbacks`) has no flag: the value of the default config is kept;
 - an annotation naming what is imported only for type checking does not break the parser.
@@ -64,13 +66,21 @@ def _text_paths(annotation: Any) -> Any:
     return annotation
 
 
+def _choices(cls: type, name: str) -> Any:
+    """A text field whose allowed values are listed elsewhere (`_help.CHOICES`) as a ``Literal``."""
+    from dream_trainer.cli._help import choices_of
+
+    allowed = choices_of(cls, name)
+    return typing.Literal[allowed] if allowed else None  # type: ignore[valid-type]
+
+
 def _config_rule(info: StructTypeInfo) -> StructConstructorSpec | None:
     cls = info.type
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         return None
     fields = [f for f in dataclasses.fields(cls) if f.init]
     annotations = field_types(cls)
-    adjusted = {f.name: _text_paths(annotations[f.name]) for f in fields}
+    adjusted = {f.name: _choices(cls, f.name) or _text_paths(annotations[f.name]) for f in fields}
     code = {f.name for f in fields if f.metadata.get("code")}
     if not code and all(adjusted[f.name] is annotations[f.name] and annotations[f.name] is not Any for f in fields):
         return None  # tyro's own dataclass rule

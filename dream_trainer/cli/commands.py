@@ -6,10 +6,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import statistics
+import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -19,11 +21,34 @@ from dream_trainer.protocol.base import Callback, StopTraining
 logger = logging.getLogger(__name__)
 
 
+_INSTALL = {"wandb": "wandb", "mlflow": "mlflow", "torchft": "torchft", "safetensors": "safetensors",
+            "yaml": "pyyaml", "tomli": "tomli", "tensorboard": "tensorboard", "tabulate": "tabulate"}
+"""Optional packages the subcommands may import: module → what ``pip install`` takes."""
+
+
 def run(command: Command, make_trainer: Callable[[Any], Any]) -> Any:
     if command.print_config:
         print(config_json(command.config))
         return None
-    return _RUNNERS[command.name](command, make_trainer)
+    try:
+        return _RUNNERS[command.name](command, make_trainer)
+    except ImportError as exc:
+        line = _missing_package(exc)
+        if line is None:
+            raise
+        _usage_error(line)
+
+
+def _missing_package(exc: ImportError) -> str | None:
+    """One line for an optional package that is not installed (its name and the install
+    command), or None for another import error."""
+    root = (getattr(exc, "name", None) or "").split(".")[0]
+    if isinstance(exc, ModuleNotFoundError) and root in _INSTALL:
+        return f"{root} is not installed, and this run needs it: pip install {_INSTALL[root]}"
+    text = str(exc)
+    if "pip install" in text and "not installed" in text:
+        return text.splitlines()[0]
+    return None
 
 
 def _build(command: Command, make_trainer: Callable[[Any], Any], config: Any = None, *, keep_checkpoints: bool = True,
@@ -65,7 +90,31 @@ def _resume(command: Command, make_trainer: Callable[[Any], Any]) -> Any:
     trainer.fit()
     if checkpoints.resumed_from is None:
         raise CheckpointError(f"resume {command.target}: the run has no checkpoint to resume from")
+    if trainer.global_step == _step_of(checkpoints.resumed_from):  # nothing left to train
+        _print0(trainer, _finished(command, trainer))
     return trainer
+
+
+def _step_of(checkpoint: Path) -> int | None:
+    digits = "".join(c for c in Path(checkpoint).name if c.isdigit())
+    return int(digits) if digits else None
+
+
+def _finished(command: Command, trainer: Any) -> str:
+    """What ``resume`` of a run that has reached its end says: that, and how to extend it."""
+    params, step = trainer.config.training_parameters, trainer.global_step
+    flag = "--training_parameters.max_steps"
+    if params.max_steps is not None and step >= params.max_steps:
+        short = next((a for a, target in command.aliases.items() if target == flag), flag)
+        how = f"raise its max_steps: resume {command.target} {short} {max(2 * step, step + 1)}"
+        limit = f"its max_steps ({params.max_steps})"
+    else:
+        flag = "--training_parameters.n_epochs"
+        short = next((a for a, target in command.aliases.items() if target == flag), flag)
+        how = f"raise its n_epochs: resume {command.target} {short} {(params.n_epochs or 0) + 1}"
+        limit = f"its n_epochs ({params.n_epochs})"
+    return f"run {command.target} is finished: it stopped at step {step}, {limit}; nothing was trained. To " \
+           f"train it further, {how}"
 
 
 def _profile(command: Command, make_trainer: Callable[[Any], Any]) -> Any:
@@ -104,8 +153,17 @@ def _graph_breaks(command: Command, make_trainer: Callable[[Any], Any]) -> Any:
             lines += [f"    - {b['reason']} ({b['file']}:{b['line']})" for b in found.get("break_reasons", [])][:20]
         else:
             lines.append(f"  {region}: {'compiles with fullgraph=True' if found.get('ok') else found.get('error')}")
-    _print0(trainer, "\n".join(lines) + f"\nreport: {trainer.run_dir / finder.log_file}")
+    _print0(trainer, "\n".join(lines) + f"\nreport: {report_path(trainer.run_dir, finder.log_file)}")
     return trainer
+
+
+def report_path(run_dir: str | Path, log_file: str | Path) -> Path:
+    """Where a diagnostic callback's `log_file` is: as it is when absolute or already under
+    `run_dir` (the callback resolves it when it writes), else under `run_dir`."""
+    run_dir, log_file = Path(run_dir), Path(log_file)
+    if log_file.is_absolute() or log_file.parts[: len(run_dir.parts)] == run_dir.parts:
+        return log_file
+    return run_dir / log_file
 
 
 def _benchmark(command: Command, make_trainer: Callable[[Any], Any]) -> dict[str, Any]:
@@ -165,13 +223,102 @@ def _benchmark_table(r: dict[str, Any]) -> str:
 
 
 def _summarize(command: Command, make_trainer: Callable[[Any], Any]) -> dict[str, Any]:
+    """The summary of the launch's mesh; with ``--world-size``/``--local-world-size`` other
+    than the launch's, of that mesh, planned without launching (`_summarize_planned`)."""
     config = _with(command.config, training_parameters=_NO_VALIDATION)
+    planned = _planned_world(command)
+    if planned is not None:
+        return _summarize_planned(command, make_trainer, config, *planned)
     trainer = _build(command, make_trainer, config, keep_checkpoints=False, record=False)
     summary = _Summary()
     trainer.callbacks.add(summary)
     trainer.fit()
     _print0(trainer, summary.table)
     return summary.result
+
+
+def _planned_world(command: Command) -> tuple[int, int | None] | None:
+    """``(world size, ranks per node)`` to plan for, or None: the launch's own."""
+    world_size, local = command.options.get("world_size"), command.options.get("local_world_size")
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size is None and local is None:
+        return None
+    for flag, value in (("--world-size", world_size), ("--local-world-size", local)):
+        if value is not None and value < 1:
+            _usage_error(f"summarize {flag} {value}: expected an int >= 1")
+    world_size = world_size or launched
+    if world_size == launched and local in (None, int(os.environ.get("LOCAL_WORLD_SIZE", launched))):
+        return None
+    if launched > 1:
+        _usage_error(f"summarize --world-size {world_size}: a plan for another world is made in one process; "
+                     "run it without --nproc or torchrun")
+    return world_size, local
+
+
+def _summarize_planned(command: Command, make_trainer: Callable[[Any], Any], config: Any, world_size: int,
+                       local: int | None) -> dict[str, Any]:
+    """Plan the mesh for `world_size` ranks (`plan_mesh`: every dimension, pp included),
+    build the model in this one process, and estimate each rank's share: the full model
+    split evenly over the dimensions that split it (dp_shard x cp x tp x pp)."""
+    from dream_trainer.world import MeshPlanError, plan_mesh
+
+    try:
+        plan = plan_mesh(config.device_parameters, world_size, local)
+    except MeshPlanError as exc:
+        _usage_error(f"summarize --world-size {world_size}: {exc}")
+    single = _with(config, device_parameters={"dp_replicate": 1, "dp_shard": 1, "context_parallel": 1,
+                                              "tensor_parallel": 1, "pipeline_parallel": 1, "compile_model": False})
+    trainer = _build(command, make_trainer, single, keep_checkpoints=False, record=False)
+    summary = _Summary()
+    trainer.callbacks.add(summary)
+    trainer.fit()
+    split = plan.dp_shard * plan.cp * plan.tp * plan.pp
+    whole = summary.result["per_rank"][0]
+    each = {k: (v if k == "trainable_full" or v is None else -(-v // split)) for k, v in whole.items()}
+    result = {**summary.result, "plan": _plan_dict(plan), "per_rank": [each], "estimated": True,
+              "gradient_accumulation_steps": _accumulation(config.training_parameters, plan.dp)}
+    table = _table(result, f"(estimate for each of {world_size} ranks, planned in one process: the model split "
+                           f"evenly over dp_shard x cp x tp x pp = {split}; the real split follows the layers)")
+    _print0(trainer, table)
+    return result
+
+
+def _accumulation(params: Any, dp: int) -> int | str:
+    """Micro-batches per optimizer step on `dp` data-parallel ranks (as the launch derives it)."""
+    if params.global_batch_size is None:
+        return params.gradient_accumulation_steps
+    micro = params.micro_batch_size or params.global_batch_size // dp
+    if micro < 1 or params.global_batch_size % (dp * micro):
+        return f"none: global_batch_size {params.global_batch_size} does not split over {dp} data-parallel ranks"
+    return params.global_batch_size // (dp * micro)
+
+
+def _usage_error(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _plan_dict(plan: Any) -> dict[str, int]:
+    return {"world_size": plan.world_size, "pp": plan.pp, "dp_replicate": plan.dp_replicate,
+            "dp_shard": plan.dp_shard, "cp": plan.cp, "tp": plan.tp}
+
+
+def _table(result: dict[str, Any], note: str = "") -> str:
+    mb = 2**20
+    lines = [f"parameters: {result['parameters']:,} ({result['trainable_parameters']:,} trainable); FLOPs per "
+             f"token: {result['flops_per_token'] or float('nan'):.3g}",
+             "plan: " + ", ".join(f"{k}={v}" for k, v in result["plan"].items())
+             + f"; gradient accumulation {result['gradient_accumulation_steps']}",
+             f"{'rank':>4} {'params':>12} {'params MB':>10} {'grads MB':>9} {'optim MB':>9} {'total MB':>9}"]
+    for r, row in enumerate(result["per_rank"]):
+        optim = row["optimizer_bytes"]
+        total = row["param_bytes"] + row["grad_bytes"] + (optim or 0)
+        name = "each" if result.get("estimated") else str(r)
+        lines.append(f"{name:>4} {row['params']:>12,} {row['param_bytes'] / mb:>10.2f} {row['grad_bytes'] / mb:>9.2f} "
+                     f"{(optim or float('nan')) / mb:>9.2f} {total / mb:>9.2f}")
+    lines.append("(memory: parameters, gradients and optimizer state of each rank's shards; activations not "
+                 "included)")
+    return "\n".join(lines + ([note] if note else []))
 
 
 class _Summary(Callback[Any]):
@@ -189,28 +336,12 @@ class _Summary(Callback[Any]):
         local = trainer_bytes(trainer)
         ranks = world.all_gather_object(local) if world.world_size > 1 else [local]
         full = sum(p.numel() for m in trainer.named_models().values() for p in m.parameters())
-        plan = world.plan
         self.result = {
             "parameters": full, "trainable_parameters": local["trainable_full"],
-            "flops_per_token": trainer.model_flops_per_token,
-            "plan": {"world_size": plan.world_size, "dp_replicate": plan.dp_replicate, "dp_shard": plan.dp_shard,
-                     "cp": plan.cp, "tp": plan.tp},
+            "flops_per_token": trainer.model_flops_per_token, "plan": _plan_dict(world.plan),
             "gradient_accumulation_steps": trainer.gradient_accumulation_steps, "per_rank": ranks,
         }
-        mb = 2**20
-        lines = [f"parameters: {full:,} ({local['trainable_full']:,} trainable); FLOPs per token: "
-                 f"{trainer.model_flops_per_token or float('nan'):.3g}",
-                 "plan: " + ", ".join(f"{k}={v}" for k, v in self.result["plan"].items())
-                 + f"; gradient accumulation {trainer.gradient_accumulation_steps}",
-                 f"{'rank':>4} {'params':>12} {'params MB':>10} {'grads MB':>9} {'optim MB':>9} {'total MB':>9}"]
-        for r, row in enumerate(ranks):
-            optim = row["optimizer_bytes"]
-            total = row["param_bytes"] + row["grad_bytes"] + (optim or 0)
-            lines.append(f"{r:>4} {row['params']:>12,} {row['param_bytes'] / mb:>10.2f} {row['grad_bytes'] / mb:>9.2f} "
-                         f"{(optim or float('nan')) / mb:>9.2f} {total / mb:>9.2f}")
-        lines.append("(memory: parameters, gradients and optimizer state of each rank's shards; activations not "
-                     "included)")
-        self.table = "\n".join(lines)
+        self.table = _table(self.result)
         raise StopTraining("summarized")
 
 

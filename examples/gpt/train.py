@@ -4,8 +4,10 @@
     python examples/gpt/train.py --nproc 2            # 2 local ranks, spawned by dream_trainer
     torchrun --nproc_per_node 2 examples/gpt/train.py # 2 ranks under torchrun (DDP over gloo on CPU)
     torchrun --nproc_per_node 2 examples/gpt/train.py --parallel fsdp   # or tp; --compile
-    python examples/gpt/train.py --help               # every config field as a flag; the subcommands
+    python examples/gpt/train.py --help               # the subcommands, options and short flags
+    python examples/gpt/train.py --help-all           # every config field's flag (--help-all model: one group)
     python examples/gpt/train.py summarize --parallel fsdp --nproc 2    # or profile, benchmark, ...
+    python examples/gpt/train.py summarize --parallel pp --world-size 8 # plan 8 ranks, launching none
 
 The command line is dream_trainer's (`dream_trainer.cli`): a flag for every config field
 (``--training_parameters.max_steps 100``, ``--model.d_model 256``), ``--config run.yaml``,

@@ -37,8 +37,15 @@ def test_train_records_config_commit_and_versions(trained):
     assert record["config"]["training_parameters"]["max_steps"] == 6
     assert record["config"]["model"]["d_model"] == 64 and "callbacks" not in record["config"]
     assert record["versions"]["torch"] == torch.__version__
-    assert record["git"] is None or len(record["git"]["commit"]) == 40
     assert record["config_class"].endswith("GPTRunConfig")
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip(f"{repo} is not a git checkout (or git is missing): no commit to compare the record's with")
+    assert record["git"] is not None, "the run record has no git commit, in a git checkout"
+    assert record["git"]["commit"] == head
 
 
 def test_resume_continues_with_the_recorded_config_and_warns_changes(trained, caplog, capsys):
@@ -86,15 +93,22 @@ def test_init_from_loads_weights_only(trained, tmp_path):
 def test_export_writes_the_checkpoint_model_as_safetensors(trained, tmp_path, capsys):
     from safetensors.torch import load_file
 
-    demo, root, _, _ = trained
-    ckpt = root / "gpt" / "base" / "checkpoints" / "step_000000003"
-    out = demo.main(["export", str(ckpt), "--output", str(tmp_path / "m.safetensors"), "--dtype", "bfloat16"])
+    demo, root, _, final = trained
+    ckpt = root / "gpt" / "base" / "checkpoints" / "step_000000006"  # the trained model's last state
+    out = demo.main(["export", str(ckpt), "--output", str(tmp_path / "m.safetensors")])
     assert f"to {out}" in capsys.readouterr().out
-    tensors = load_file(str(out))
-    assert tensors["tok_emb.weight"].dtype is torch.bfloat16 and len(tensors) > 10
     model = demo.GPT(demo.GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, d_model=64))
-    missing, unexpected = model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
-    assert not unexpected and all("mask" in k or "bias" in k for k in missing)
+    model.load_state_dict(load_file(str(out)), strict=True)  # every key of the model, none other
+    trained_state = {name: tensor for name, tensor in final.items() if not name.startswith("_")}
+    assert set(model.state_dict()) == set(trained_state)
+    for name, tensor in model.state_dict().items():  # the trained values, bit for bit
+        torch.testing.assert_close(tensor, trained_state[name], rtol=0, atol=0, msg=name)
+    half = demo.main(["export", str(ckpt), "--output", str(tmp_path / "h.safetensors"), "--dtype", "bfloat16"])
+    tensors = load_file(str(half))
+    assert set(tensors) == set(trained_state)
+    for name, tensor in tensors.items():
+        assert tensor.dtype is torch.bfloat16, name
+        assert torch.equal(tensor, trained_state[name].to(torch.bfloat16)), name
 
 
 def test_print_config_trains_nothing(tmp_path, capsys):

@@ -130,8 +130,15 @@ def test_help_lists_subcommands_fields_and_docstrings(capsys):
         parse(MyConfig(), ["--help"], aliases={"--steps": "--training_parameters.max_steps"})
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for text in ("find-graph-breaks", "summarize", "--steps", "--training_parameters.max_steps",
-                 "stop after this many optimizer steps", "--shape.width", "hidden features"):
+    for text in ("find-graph-breaks", "summarize", "--steps", "training_parameters.max_steps",
+                 "stop after this many optimizer steps", "--help-all", "shape"):
+        assert text in out, text
+    with pytest.raises(SystemExit) as info:
+        parse(MyConfig(), ["--help-all"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for text in ("--training_parameters.max_steps", "stop after this many optimizer steps", "--shape.width",
+                 "hidden features", "shape: the model's shape."):
         assert text in out, text
 
 
