@@ -311,6 +311,12 @@ class CheckpointParameters:
             only for a copy of the state; writing runs in the background) or
             ``"async_pinned"`` (the same with staging buffers kept between saves, in pinned
             memory on CUDA).
+        allow_fresh_restart: with False (the default), a run that finds no checkpoint to
+            resume from fails (naming the root and the host) when its run directory's
+            resume record says one was committed, or when its job is a restart
+            (``SLURM_RESTART_COUNT`` or ``TORCHELASTIC_RESTART_COUNT`` above 0) without
+            such a record; True starts it from step 0 with a warning
+            (`dream_trainer.restarts.missing_checkpoint`).
     """
 
     root_dir: str | os.PathLike[str] | None = None
@@ -324,10 +330,11 @@ class CheckpointParameters:
     resume_mode: str | os.PathLike[str] | None = "last"
     strict: bool = True
     async_mode: Literal["off", "async", "async_pinned"] = "off"
+    allow_fresh_restart: bool = False
 
     def __post_init__(self) -> None:
         owner = "CheckpointParameters"
-        _flags(owner, self, "at_fit_end", "strict")
+        _flags(owner, self, "at_fit_end", "strict", "allow_fresh_restart")
         self.root_dir = _path(owner, "root_dir", self.root_dir, allow_none=True)
         if self.resume_mode is not None:
             self.resume_mode = _path(owner, "resume_mode", self.resume_mode)

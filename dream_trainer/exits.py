@@ -6,6 +6,7 @@ signals it forwards), so neither imports the other for them."""
 from __future__ import annotations
 
 import signal
+from dataclasses import dataclass
 
 EXIT_PREEMPTED = 75
 """The exit status of a preempted run (``EX_TEMPFAIL``: stopped early, checkpointed, resumable)."""
@@ -21,6 +22,33 @@ handler replaces submitit's and restores it afterwards; see examples/submitit). 
 handles them; the ``--nproc`` launcher forwards them."""
 
 _fit_statuses: list[int] = []  # exit codes of the fit() calls of this process, in order
+_preemptions: list[Preemption] = []  # the preempted fit() calls of this process, in order
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """A ``fit()`` that stopped as preempted, as the requeue decision reads it.
+
+    Attributes:
+        signal: the stop signal every rank acted on (the same on every rank; None: unknown).
+        progressed: whether an optimizer step completed in that ``fit()`` (after its resume).
+    """
+
+    signal: int | None
+    progressed: bool
+
+    @property
+    def signal_name(self) -> str:
+        """``"SIGUSR1"``, ... (``"an unknown signal"`` when None)."""
+        return signal_name(self.signal) if self.signal else "an unknown signal"
+
+
+def signal_name(signum: int) -> str:
+    """``"SIGTERM"`` for 15; the number itself for a signal Python has no name for."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
 
 
 def exit_code_for(status: str) -> int:
@@ -47,3 +75,15 @@ def combined_exit_code(codes: list[int] | tuple[int, ...]) -> int:
     if failed:
         return failed[0]
     return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else 0
+
+
+def record_preemption(signum: int | None, progressed: bool) -> None:
+    """Record a ``fit()`` that stopped as preempted (`BaseTrainer` calls it once its
+    preemption checkpoint is saved): `dream_trainer.entrypoint` reads it to decide, on rank
+    0, whether to requeue the job."""
+    _preemptions.append(Preemption(int(signum) if signum else None, bool(progressed)))
+
+
+def recorded_preemptions() -> tuple[Preemption, ...]:
+    """The preemptions recorded by `record_preemption` in this process so far, in order."""
+    return tuple(_preemptions)

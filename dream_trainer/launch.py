@@ -13,7 +13,8 @@ before the ranks start, so every rank agrees on it::
         entrypoint(main)          # python train.py --nproc 2   or   torchrun ... train.py
 
 The process exits with the run's status however the script is written: 75 when preempted,
-the failure's status when a rank failed (see `LaunchExit`).
+the failure's status when a rank failed (see `LaunchExit`). With requeue on, a preempted
+SLURM job is requeued by its rank 0 under the rules of `RequeuePolicy`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,16 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from dream_trainer.cluster import global_rank, in_slurm_step, slurm_job_id
-from dream_trainer.exits import EXIT_PREEMPTED, STOP_SIGNALS, combined_exit_code, recorded_exit_codes
+from dream_trainer.exits import (
+    EXIT_PREEMPTED,
+    STOP_SIGNALS,
+    Preemption,
+    combined_exit_code,
+    recorded_exit_codes,
+    recorded_preemptions,
+    signal_name,
+)
+from dream_trainer.restarts import restart_count
 from dream_trainer.run_identity import ENV_EXPERIMENT, ENV_RUN_NAME, ENV_SEED, default_run_name
 
 logger = logging.getLogger(__name__)
@@ -40,6 +50,76 @@ T = TypeVar("T")
 ENV_NPROC = "DREAM_TRAINER_NPROC"
 ENV_LAUNCHER_PID = "DREAM_TRAINER_LAUNCHER_PID"
 ENV_REQUEUE = "DREAM_TRAINER_REQUEUE"
+ENV_REQUEUE_SIGNAL = "DREAM_TRAINER_REQUEUE_SIGNAL"
+ENV_MAX_REQUEUES = "DREAM_TRAINER_MAX_REQUEUES"
+
+
+@dataclass(frozen=True)
+class RequeuePolicy:
+    """When the rank 0 of a preempted run requeues its SLURM job (``scontrol requeue``).
+
+    It requeues only when all of these hold; otherwise it logs why not, and the process
+    still exits 75 (preempted):
+
+    - the run stopped on `signal` (SIGUSR1 by default: ``#SBATCH --signal=USR1@90``). Any
+      other stop signal stops and saves without a requeue: SIGTERM is what ``scancel``
+      sends, so a cancelled job stays cancelled;
+    - an optimizer step completed since this start (a run signalled before its first
+      step would come back to the same point, requeued forever);
+    - the job was requeued fewer than `max_requeues` times (``SLURM_RESTART_COUNT``;
+      None: no cap).
+
+    The decision is rank 0's alone, taken after ``fit()`` returned, from what it already
+    holds: the signal the ranks agreed on (the same on every rank), whether a step was
+    taken (the same on every rank) and the job's environment. No rank waits on it.
+
+    Attributes:
+        signal: the signal number that requeues.
+        max_requeues: the most requeues of one job (None: no cap).
+    """
+
+    signal: int = int(signal.SIGUSR1)
+    max_requeues: int | None = None
+
+    @classmethod
+    def resolve(cls, requeue_signal: str | int | None = None, max_requeues: int | None = None) -> RequeuePolicy:
+        """From the arguments, else ``DREAM_TRAINER_REQUEUE_SIGNAL`` (``USR1``, ``SIGUSR1``
+        or a number; one of `STOP_SIGNALS`) and ``DREAM_TRAINER_MAX_REQUEUES``."""
+        raw = requeue_signal if requeue_signal is not None else os.environ.get(ENV_REQUEUE_SIGNAL) or "SIGUSR1"
+        cap = max_requeues if max_requeues is not None else os.environ.get(ENV_MAX_REQUEUES) or None
+        if cap is not None and (isinstance(cap, bool) or not str(cap).strip().isdigit()):
+            raise ValueError(f"max_requeues (or ${ENV_MAX_REQUEUES})={cap!r} is invalid: expected an integer >= 0")
+        return cls(_parse_signal(raw), None if cap is None else int(cap))
+
+    def refusal(self, preemption: Preemption | None, requeues: int) -> str | None:
+        """Why a preempted run is not requeued (None: requeue it), given how it stopped
+        (None: no trainer recorded its preemption) and how many times its job was requeued."""
+        if preemption is None:
+            return "no preempted fit() was recorded in this process, so the stop signal is unknown"
+        if preemption.signal != self.signal:
+            why = f"it was stopped by {preemption.signal_name}, not by the requeue signal {signal_name(self.signal)}"
+            return why + (" (scancel sends SIGTERM: a cancelled job is not requeued)"
+                          if preemption.signal == signal.SIGTERM else "")
+        if not preemption.progressed:
+            return ("no optimizer step completed since this start (signalled before its first step): a requeued job "
+                    "would come back to the same point")
+        if self.max_requeues is not None and requeues >= self.max_requeues:
+            return (f"the job was already requeued {requeues} time(s) (SLURM_RESTART_COUNT), max_requeues="
+                    f"{self.max_requeues}")
+        return None
+
+
+def _parse_signal(raw: str | int) -> int:
+    text = str(raw).strip().upper()
+    try:
+        signum = int(text) if text.isdigit() else int(signal.Signals[text if text.startswith("SIG") else f"SIG{text}"])
+    except KeyError:
+        signum = -1
+    if signum not in STOP_SIGNALS:
+        names = ", ".join(sig.name for sig in STOP_SIGNALS)
+        raise ValueError(f"requeue signal (or ${ENV_REQUEUE_SIGNAL})={raw!r} is invalid: expected one of the stop "
+                         f"signals {names}")
+    return signum
 
 
 def requeue_slurm_job() -> bool:
@@ -81,8 +161,12 @@ class LaunchExit(SystemExit):
 
 
 def is_launched() -> bool:
-    """True inside a rank started by torchrun (or by `entrypoint`)."""
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+    """True inside a rank started by torchrun (or by `entrypoint`): torchrun's full set of
+    variables (`dream_trainer.cluster.launch_source`); a partial set raises `ClusterError`
+    here, before ``main()`` runs, naming what is missing."""
+    from dream_trainer.cluster import launch_source
+
+    return launch_source() == "torchrun"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -125,6 +209,8 @@ def entrypoint(
     seed: int | None = None,
     argv: list[str] | None = None,
     requeue: bool | None = None,
+    requeue_signal: str | int | None = None,
+    max_requeues: int | None = None,
 ) -> T | LaunchResult:
     """Run `main` once per rank.
 
@@ -146,14 +232,18 @@ def entrypoint(
 
     Under ``srun`` (a SLURM step; see `dream_trainer.cluster` for the precedence) each task
     is a rank: ``main()`` runs at once. `requeue` (or ``DREAM_TRAINER_REQUEUE=1``): when
-    the run was preempted (SIGTERM, or SLURM's SIGUSR1 warning: a checkpoint was taken),
-    rank 0 requeues the SLURM job (`requeue_slurm_job`) before exiting with status 75.
+    the run was preempted by `requeue_signal` (``DREAM_TRAINER_REQUEUE_SIGNAL``; SIGUSR1,
+    SLURM's ``--signal=USR1@90`` warning, by default) after at least one optimizer step,
+    and its job was requeued fewer than `max_requeues` times (``DREAM_TRAINER_MAX_REQUEUES``;
+    no cap by default), rank 0 requeues the SLURM job (`requeue_slurm_job`) before exiting
+    with status 75; otherwise it says why not (`RequeuePolicy`). Invalid values fail here.
     """
     if requeue is None:
         requeue = os.environ.get(ENV_REQUEUE, "") not in ("", "0")
+    policy = RequeuePolicy.resolve(requeue_signal, max_requeues) if requeue else None
     if is_launched() or in_slurm_step():
         _die_with_launcher()
-        return _run_main(main, requeue)
+        return _run_main(main, policy)
     args = list(sys.argv[1:] if argv is None else argv)
     cli_nproc, rest = _pop_nproc(args)
     env_nproc = os.environ.get(ENV_NPROC)
@@ -169,32 +259,48 @@ def entrypoint(
     if seed is not None:
         os.environ.setdefault(ENV_SEED, str(seed))
     if nproc is None or nproc == 1:
-        return _run_main(main, requeue)
-    if requeue:
-        os.environ[ENV_REQUEUE] = "1"  # the ranks' rank 0 requeues (once: not this launcher too)
+        return _run_main(main, policy)
+    if policy is not None:  # the ranks' rank 0 requeues (once: not this launcher too)
+        os.environ.update({ENV_REQUEUE: "1", ENV_REQUEUE_SIGNAL: str(policy.signal)})
+        if policy.max_requeues is not None:
+            os.environ[ENV_MAX_REQUEUES] = str(policy.max_requeues)
     result = _spawn(nproc, rest)
     if result.exit_code != 0:
         raise LaunchExit(result.exit_code, result)
     return result
 
 
-def _run_main(main: Callable[[], T], requeue: bool = False) -> T:
+def _run_main(main: Callable[[], T], requeue: RequeuePolicy | None = None) -> T:
     """``main()``, then `LaunchExit` when a ``fit()`` it ran (or the trainer it returned)
     did not succeed: a preempted run exits 75 and a failed one non-zero, even when the
     script drops the status (a failure that ``main`` caught included). A preempted run
-    with `requeue` requeues its SLURM job first (rank 0)."""
-    first = len(recorded_exit_codes())
+    with a `requeue` policy requeues its SLURM job first when the policy allows (rank 0)."""
+    first, first_preemption = len(recorded_exit_codes()), len(recorded_preemptions())
     value = main()
     codes = list(recorded_exit_codes()[first:])
     returned = getattr(value, "exit_code", None)
     if isinstance(returned, int) and not isinstance(returned, bool):
         codes = [*codes, returned]
     code = combined_exit_code(codes)
-    if code == EXIT_PREEMPTED and requeue:
-        requeue_slurm_job()
+    if code == EXIT_PREEMPTED and requeue is not None:
+        requeue_if_due(requeue, recorded_preemptions()[first_preemption:])
     if code != 0:
         raise LaunchExit(code)
     return value
+
+
+def requeue_if_due(policy: RequeuePolicy, preemptions: tuple[Preemption, ...]) -> bool:
+    """On global rank 0 only (the other ranks return False at once): requeue the SLURM job
+    (`requeue_slurm_job`) when `policy` allows it for the last of `preemptions` (those of
+    this ``main()``), else log why not. A local decision after the run stopped: nothing here
+    talks to the other ranks. Returns whether a requeue was asked for."""
+    if global_rank() != 0:
+        return False
+    why = policy.refusal(preemptions[-1] if preemptions else None, restart_count().get("SLURM_RESTART_COUNT", 0))
+    if why is not None:
+        logger.warning("preempted: not requeued: %s; the process exits %d (preempted)", why, EXIT_PREEMPTED)
+        return False
+    return requeue_slurm_job()
 
 
 @dataclass(frozen=True)

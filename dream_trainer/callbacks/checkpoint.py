@@ -3,7 +3,9 @@ whole trainer, saved on a schedule, at preemption and at the end; resumed at set
 
 - What: ``trainer.state_dict()`` — models and optimizers (any sharding), schedulers,
   counters, callback states, every rank's RNG states and dataloader position.
-- Resume: in `post_configure` (from ``resume_mode``); incomplete saves are removed.
+- Resume: in `post_configure` (from ``resume_mode``); incomplete saves are removed. A
+  restart that finds no checkpoint where its earlier attempt committed one fails
+  (`dream_trainer.restarts`: the run directory's resume record, the job's restart count).
 - When: every N steps (after that step's validation, so a resumed run continues exactly),
   every N epochs, at the end of `fit()`, and when the run is preempted (SIGTERM/SIGINT
   handled at a step boundary, see `BaseTrainer`).
@@ -40,6 +42,7 @@ from dream_trainer.checkpoint import (
 )
 from dream_trainer.checkpoint_staging import PinnedStager
 from dream_trainer.configs import CheckpointParameters
+from dream_trainer.restarts import fresh_start_refusal, note_checkpoints, warn_if_node_local
 from dream_trainer.serialization import UnsafeStateError
 from dream_trainer.trainer.base import BaseTrainer
 
@@ -96,6 +99,8 @@ class CheckpointCallback(Callback[BaseTrainer]):
         self.root = self.checkpoint_root()
         if world.cluster.num_nodes > 1:  # before any step: a node-local root fails here, on every rank
             check_shared_root(world, self.root, world.cluster.node_rank)
+        elif world.is_rank_zero:  # one node: a root a requeue to another node would lose is warned
+            warn_if_node_local(self.root, world.cluster.num_nodes)
         self.every_n_steps = self._schedule(world.checkpoint_interval)
         if self.params.async_mode != "off":
             # Background saves run collectives; on their own group they never interleave
@@ -105,6 +110,7 @@ class CheckpointCallback(Callback[BaseTrainer]):
                 self._stager = PinnedStager()
         path = self._choose_resume()
         if world.is_rank_zero:
+            note_checkpoints(self.trainer.run_dir, self.root, None)  # where a restart must find them
             for stale in clean_staging(self.root):
                 logger.warning("removed incomplete checkpoint %s (a save that did not finish)", stale)
         if path is not None:
@@ -269,6 +275,7 @@ class CheckpointCallback(Callback[BaseTrainer]):
             return
         final = commit(staging, meta)
         self.saved.append(final)
+        note_checkpoints(self.trainer.run_dir, final.parent, meta["step"])
         p = self.params
         for old in to_remove(list_checkpoints(final.parent), p.keep_last, p.keep_best, p.mode, p.monitor):
             shutil.rmtree(old.path, ignore_errors=True)
@@ -303,6 +310,8 @@ class CheckpointCallback(Callback[BaseTrainer]):
                     choice = CheckpointError(f"resume_mode='best': no checkpoint under {self.root} has a score")
             else:
                 choice = Path(mode)
+            if choice is None:  # a restart that lost its checkpoints fails: rank 0 decides for all
+                choice = fresh_start_refusal(self.trainer.run_dir, self.resume_roots(), self.params.allow_fresh_restart)
         choice = world.broadcast_object(choice)
         if isinstance(choice, Exception):
             raise choice

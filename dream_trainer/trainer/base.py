@@ -20,7 +20,7 @@ import torch
 from dream_trainer.protocol.base import StopTraining
 from dream_trainer.protocol.collection import CallbackCollection
 from dream_trainer.configs import TrainerConfig
-from dream_trainer.exits import exit_code_for, record_exit_code
+from dream_trainer.exits import exit_code_for, record_exit_code, record_preemption
 from dream_trainer.run_identity import RunIdentity, default_run_name
 from dream_trainer.trainer.metric_log import MetricLog
 from dream_trainer.trainer.abstract import AbstractTrainer
@@ -253,6 +253,7 @@ class BaseTrainer(AbstractTrainer):
         if failures:  # e.g. the preemption save failed: never report a resumable run
             self.status = "failed"
             raise failures[0] from interrupt
+        record_preemption(interrupt.agreed_signal, self.step_path.timeout_relaxed)  # relaxed: a step of this fit() done
 
     def _teardown(self) -> BaseException | None:
         """On every path: pending collectives, `on_teardown`, the world, `post_teardown`,
@@ -295,7 +296,6 @@ class BaseTrainer(AbstractTrainer):
                 f"{type(self).__name__} must implement {', '.join(f'{m}()' for m in missing)} "
                 f"(required: {', '.join(self.required_methods)})"
             )
-
 
     def _done(self) -> bool:
         training = self.training_parameters

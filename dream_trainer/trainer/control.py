@@ -44,13 +44,18 @@ class TrainingInterrupted(BaseException):
 
     Attributes:
         signal: the signal number (None when the signal arrived on another rank).
+        agreed_signal: at a step boundary, the signal every rank acts on, the same on every
+            rank (the highest-numbered one when ranks got different ones: SIGTERM over
+            SIGUSR1); else `signal`. The requeue decision reads it (`dream_trainer.launch`).
     """
 
-    def __init__(self, reason: str, at_step_boundary: bool = False, signum: int | None = None):
+    def __init__(self, reason: str, at_step_boundary: bool = False, signum: int | None = None,
+                 agreed_signal: int | None = None):
         super().__init__(reason)
         self.reason = reason
         self.at_step_boundary = at_step_boundary
         self.signal = signum
+        self.agreed_signal = signum if agreed_signal is None else agreed_signal
 
 
 class _World(Protocol):
@@ -139,8 +144,8 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ agreement
     def local_flags(self) -> list[int]:
-        """This rank's requests as ``[signal, stop, disable]`` flags."""
-        return [int(self.signal is not None), int(self.stop_request is not None), int(bool(self.disable_requests))]
+        """This rank's requests as ``[signal, stop, disable]`` flags (signal: its number, 0: none)."""
+        return [int(self.signal or 0), int(self.stop_request is not None), int(bool(self.disable_requests))]
 
     def agreed_flags(self, world: _World, blocking: bool) -> list[int]:
         """The flags of every rank, OR-ed. Non-blocking: those sent at the previous call
@@ -179,8 +184,10 @@ class ControlPlane:
             for name, why in sorted({k: v for r in requests for k, v in r.items()}.items()):
                 callbacks.disable(name, why)
         if flags[_SIGNAL]:
+            agreed = int(flags[_SIGNAL])  # the same number on every rank (MAX of the ranks' signals)
             name = signal.Signals(self.signal).name if self.signal is not None else "a signal on another rank"
-            raise TrainingInterrupted(f"received {name}", at_step_boundary=True, signum=self.signal)
+            raise TrainingInterrupted(f"received {name}", at_step_boundary=True, signum=self.signal,
+                                      agreed_signal=agreed)
         if flags[_STOP]:
             reasons = [r for r in world.all_gather_object(self.stop_request) if r is not None]
             self.stop_request = None
