@@ -62,20 +62,31 @@ class PipelineParameters:
 @dataclass(frozen=True)
 class PipelineChoice:
     """The schedule a run uses: its name, stages per rank, micro-batches and expected
-    bubble (the idle fraction of a rank's step time, from `expected_bubble`)."""
+    bubble (the idle fraction of a rank's step time, from `expected_bubble`), why it was
+    chosen and the other candidates ``(name, stages per rank, expected bubble)``."""
 
     schedule: str
     stages_per_rank: int
     microbatches: int
     bubble: float
     candidates: tuple[tuple[str, int, float], ...] = ()
+    why: str = ""
 
     def describe(self, pp: int) -> str:
+        """One line: ``pipeline: schedule X, ... (why; alternatives: ...)``."""
         others = ", ".join(f"{name} x{v}: {b:.1%}" for name, v, b in self.candidates
                            if (name, v) != (self.schedule, self.stages_per_rank))
-        return (f"pipeline schedule {self.schedule} ({pp} ranks x {self.stages_per_rank} stage(s), "
-                f"{self.microbatches} micro-batches): expected bubble {self.bubble:.1%}"
-                + (f"; other candidates: {others}" if others else ""))
+        reasons = "; ".join(filter(None, (self.why or f"expected bubble {self.bubble:.1%}",
+                                          f"alternatives (expected bubble): {others}" if others else "")))
+        return (f"pipeline: schedule {self.schedule}, {pp} ranks x {self.stages_per_rank} stage(s), "
+                f"{self.microbatches} micro-batches ({reasons})")
+
+
+GLOO_LEFT_OUT = ("InterleavedZeroBubble",)
+"""What ``"auto"`` leaves out when the stages talk over gloo (CPU ranks): measured slowest
+there (docs/benchmarks.md, "Pipeline schedules"): its separate weight-gradient actions and
+extra transfers cost more than the bubble it saves, which `expected_bubble` (free
+communication) does not count."""
 
 
 def expected_bubble(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> float:
@@ -119,11 +130,12 @@ def check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: i
 
 
 def choose_schedule(params: PipelineParameters, pp: int, batch: int, n_layers: int,
-                    sharded_stages: bool = False) -> PipelineChoice:
+                    sharded_stages: bool = False, gloo: bool = False) -> PipelineChoice:
     """The schedule for `params` on `pp` ranks, for batches of `batch` samples per rank and
-    `n_layers` layers, FSDP2 inside the stages or not: the one asked for (checked), or
-    with ``"auto"`` the candidate with the
-    smallest expected bubble (ties: fewer stages per rank, then the order of `SCHEDULES`).
+    `n_layers` layers, FSDP2 inside the stages or not, the stages talking over gloo (CPU)
+    or not: the one asked for (checked), or with ``"auto"`` the candidate with the smallest
+    expected bubble (ties: fewer stages per rank, then the order of `SCHEDULES`), less
+    `GLOO_LEFT_OUT` over gloo, where it measured slowest (it stays a fallback).
 
     Raises:
         ValueError: the micro-batches do not divide the batch, or no schedule fits; the
@@ -134,7 +146,8 @@ def choose_schedule(params: PipelineParameters, pp: int, batch: int, n_layers: i
         counts = [d for d in range(1, batch + 1) if batch % d == 0]
         raise ValueError(f"PipelineParameters.microbatches={m} does not divide the {batch} samples of each rank's batch; "
                          f"counts that do: {counts}")
-    names = SCHEDULES if params.schedule == "auto" else (params.schedule,)
+    auto = params.schedule == "auto"
+    names = SCHEDULES if auto else (params.schedule,)
     candidates, refusals = [], []
     for name in names:
         for v in ([params.stages_per_rank] if params.stages_per_rank else [1] if name in SINGLE else [2]):
@@ -147,8 +160,16 @@ def choose_schedule(params: PipelineParameters, pp: int, batch: int, n_layers: i
         fits = [d for d in range(pp, batch + 1) if batch % d == 0]
         raise ValueError(f"no pipeline schedule fits {pp} ranks, {m} micro-batches and {n_layers} layers: "
                          f"{'; '.join(refusals)}. Micro-batch counts that divide the batch of {batch}: {fits}")
-    best = min(candidates, key=lambda c: (round(c[2], 9), c[1], SCHEDULES.index(c[0])))
-    return PipelineChoice(best[0], best[1], m, best[2], tuple(candidates))
+    preferred = [c for c in candidates if not (gloo and c[0] in GLOO_LEFT_OUT)] or candidates
+    best = min(preferred, key=lambda c: (round(c[2], 9), c[1], SCHEDULES.index(c[0])))
+    if not auto:
+        why = f"asked for; expected bubble {best[2]:.1%}"
+    else:
+        why = f"auto: the smallest expected bubble, {best[2]:.1%}"
+        left = sorted({c[0] for c in candidates} - {c[0] for c in preferred})
+        if left:
+            why += f", {', '.join(left)} left out over gloo (CPU): measured slowest there"
+    return PipelineChoice(best[0], best[1], m, best[2], tuple(candidates), why)
 
 
 def stage_ids(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:

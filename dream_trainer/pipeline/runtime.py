@@ -4,8 +4,9 @@ running `Pipeline`.
 With ``DeviceParameters.pipeline_parallel = p > 1`` the model a trainer builds on the meta
 device is cut, by its `PipelineLayout`, into stages; each rank keeps its stages' layers
 under their original names (the model attribute now holds that part), the parallelization
-hooks run on it (FSDP2/replicate per stage), the weights are initialized on the whole
-model (a single process's, from the same seed) and the rest is dropped.
+hooks run on it (FSDP2/replicate per stage), and the weights are initialized by the whole
+model's ``init_weights`` (a single process's draws, from the same seed): what other ranks
+hold stays on the meta device, its random fills drawn and dropped (`DrawForMeta`).
 
 The runtime holds no trainer: the object that holds the model (the trainer) is passed to
 each call that reads or swaps the model attribute (`PipelineLayout.model`), and what it
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dream_trainer.pipeline.plan import PipelineChoice, PipelineParameters, choose_schedule, split_layers, stage_ids
 from dream_trainer.pipeline.stages import Pipeline, PipelineLayout, cut, layer_list
@@ -56,19 +58,23 @@ class PipelineRuntime:
         self.pipeline: Pipeline | None = None
 
     def plan(self, holder: object, layout: PipelineLayout, params: PipelineParameters, *, pp: int, pp_rank: int,
-             batch: Callable[[], int], sharded: bool = False) -> None:
+             batch: Callable[[], int], sharded: bool = False, gloo: bool | None = None) -> None:
         """Choose the schedule and cut the meta-device model (``holder.<layout.model>``)
         into this rank's part, which replaces it on `holder` (before anything is allocated:
         a bad split or micro-batch count fails here). `batch` gives the samples in each
         batch a rank trains on (asked once the model is checked); `sharded`: FSDP2 inside
-        the stages (``dp_shard > 1``)."""
+        the stages (``dp_shard > 1``); `gloo`: the stages talk over gloo (None: the default
+        process group's backend says). The choice and why are logged once, on rank 0, at
+        WARNING: what a run's user sees."""
         whole = getattr(holder, layout.model, None)
         if not isinstance(whole, nn.Module):
             raise AttributeError(f"pipeline_layout.model={layout.model!r}: the trainer has no such model")
         layers = layer_list(whole, layout)
         check_untied(whole, layout)
-        choice = choose_schedule(params, pp, batch(), len(layers), sharded)
-        logger.info(choice.describe(pp))
+        gloo = _over_gloo() if gloo is None else gloo
+        choice = choose_schedule(params, pp, batch(), len(layers), sharded, gloo)
+        if _rank() == 0:
+            logger.warning(choice.describe(pp))
         n_stages = pp * choice.stages_per_rank
         sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
         ranges = split_layers(len(layers), n_stages, params.split, sizes)
@@ -99,21 +105,21 @@ class PipelineRuntime:
     @contextlib.contextmanager
     def whole_model(self, holder: object, device: torch.device) -> Iterator[list[nn.Module]]:
         """While weights are initialized: the model attribute of `holder` holds the whole
-        model (this rank's part shares its modules), allocated on `device`, so that
-        ``init_weights`` draws what one process draws from the same seed; the rest is
-        dropped after. Yields ``[whole model]`` (``[]`` when there is none)."""
+        model (this rank's part, allocated, shares its modules), so that ``init_weights``
+        draws what one process draws from the same seed. What other ranks hold stays on the
+        meta device: a random fill of one of its tensors (``normal_``, ``uniform_``, ...)
+        draws the same numbers into a scratch tensor on `device`, dropped at once, so the
+        random stream advances as in one process and a rank allocates one layer's tensor
+        at a time beyond its own. Yields ``[whole model]`` (``[]`` when there is none)."""
         whole, layout = self.whole, self.layout
         if whole is None or layout is None:
             yield []
             return
         part = getattr(holder, layout.model)
-        for module in whole.modules():  # what other ranks hold (this rank's part is allocated)
-            own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-            if any(t.is_meta for t in own):
-                module.to_empty(device=device, recurse=False)
         setattr(holder, layout.model, whole)
         try:
-            yield [whole]
+            with DrawForMeta(device):
+                yield [whole]
         finally:
             setattr(holder, layout.model, part)
             self.whole = None
@@ -136,6 +142,47 @@ class PipelineRuntime:
         scaled = loss_fn if accumulation == 1 else (lambda out, tgt: loss_fn(out, tgt) / accumulation)
         loss = self.pipeline.train_step(inputs, target, scaled)
         return loss * accumulation if accumulation > 1 else loss
+
+
+RANDOM_FILLS = frozenset({"normal_", "uniform_", "bernoulli_", "random_", "exponential_", "geometric_",
+                          "log_normal_", "cauchy_"})
+"""The in-place random fills `DrawForMeta` draws for a meta tensor."""
+
+
+class DrawForMeta(TorchDispatchMode):
+    """Inside: a random in-place fill of a meta tensor (the layers other pipeline ranks
+    hold) draws its numbers into a scratch tensor of the same shape and dtype on `device`,
+    which is dropped, and leaves the meta tensor as it is; every other op runs as it is
+    (on a meta tensor: shapes only). The generator advances as if the tensor were real."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        target = args[0] if args else None
+        if isinstance(target, torch.Tensor) and target.is_meta and func.overloadpacket.__name__ in RANDOM_FILLS:
+            scratch = torch.empty(target.shape, dtype=target.dtype, device=self.device)
+            func(scratch, *args[1:], **kwargs)
+            return target
+        return func(*args, **kwargs)
+
+
+def _over_gloo() -> bool:
+    """The default process group's backend is gloo (CPU ranks; not a CUDA world's NCCL)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return False
+    backend = str(dist.get_backend())
+    return "gloo" in backend and "nccl" not in backend
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def check_untied(model: nn.Module, layout: PipelineLayout) -> None:

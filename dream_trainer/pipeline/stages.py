@@ -140,6 +140,7 @@ class Pipeline:
         self.last_rank = ranks[(n_stages - 1) % pp]  # who holds the last stage (looped placement)
         self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
         self._schedule: Any = None
+        self._shapes: Any = None  # the batch shapes the schedule's stages were built for
 
     def _build(self) -> Any:
         from torch.distributed.pipelining import PipelineStage
@@ -159,8 +160,12 @@ class Pipeline:
         import torch.distributed as dist
 
         check_batch(target, self.choice.microbatches, "validation" if eval else "training")
-        if self._schedule is None:
-            self._schedule = self._build()
+        shapes = batch_shapes((inputs, target))
+        if self._schedule is None or shapes != self._shapes:
+            # torch's stages size their receive buffers by the first batch they run (per mode):
+            # a batch of another size (a validation loader's smaller last batch) needs new ones.
+            # Every rank of the pipeline sees the same batch, so every rank rebuilds together.
+            self._schedule, self._shapes = self._build(), shapes
         self._loss_fn = loss_fn
         args = (inputs if isinstance(inputs, tuple) else (inputs,)) if self.holds_first else ()
         losses: list[torch.Tensor] = []
@@ -181,6 +186,18 @@ class Pipeline:
     def eval_step(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         """Forward only; the batch's mean loss, on every rank."""
         return self._run(True, inputs, target, loss_fn)
+
+
+def batch_shapes(batch: Any) -> Any:
+    """The shapes of a batch's tensors, in its (nested tuple, list or dict) structure:
+    what a schedule's stages were built for."""
+    if isinstance(batch, torch.Tensor):
+        return tuple(batch.shape), batch.dtype
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch_shapes(item) for item in batch)
+    if isinstance(batch, dict):
+        return tuple((key, batch_shapes(value)) for key, value in batch.items())
+    return type(batch).__name__
 
 
 def check_batch(target: Any, microbatches: int, kind: str = "training") -> None:

@@ -46,12 +46,12 @@ def single(tmp_path_factory):
     return str(root), _train(str(root), "single", "single")
 
 
-@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B", "auto"])
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble"])
 def test_two_stages_track_one_process_and_resume_exactly(schedule, single, tmp_path):
     _, reference = single
     ranks = spawn_world(2, _full_and_resumed, str(tmp_path), schedule, timeout=600)
     full, resumed = ranks[0]["full"], ranks[0]["resumed"]
-    assert full["schedule"] == ("InterleavedZeroBubble" if schedule == "auto" else schedule)
+    assert full["schedule"] == schedule  # auto's choice: tests/unit/test_pipeline_plan.py, test_pipeline_demo.py
     for rank in ranks[1:]:  # the loss reached every stage
         assert rank["full"]["losses"] == full["losses"]
     # The single-process start: each stage's weights, bitwise, under their names in one process.
@@ -105,8 +105,9 @@ def _layouts(root: str, layouts: dict[str, tuple[str, ...]]) -> dict:
 def test_two_stages_with_data_parallelism_inside_on_four_ranks(tmp_path):
     """PP x FSDP2, PP x DDP and PP x TP on 4 ranks (2 stages, each over 2 ranks) track one
     process. The automatic choice leaves zero-bubble out with sharded stages (it
-    differs from one process there) and takes it with replicated ones."""
-    ranks = spawn_world(4, _layouts, str(tmp_path), {"pp-fsdp": (), "pp-ddp": (*REPLICATE, "--device_parameters.dp_shard", "1"),
+    differs from one process there); asked for, it runs with replicated ones."""
+    ranks = spawn_world(4, _layouts, str(tmp_path), {"pp-fsdp": (), "pp-ddp": (*REPLICATE, "--device_parameters.dp_shard", "1",
+                                                                             *ZERO_BUBBLE),
                                                      "pp-tp": (*TP, "--device_parameters.dp_shard", "1")}, timeout=600)
     first = ranks[0]
     assert first["pp-fsdp"]["plan"] == (2, 1, 2, 1, 1) and first["pp-fsdp"]["schedule"] == "Interleaved1F1B"
@@ -115,6 +116,7 @@ def test_two_stages_with_data_parallelism_inside_on_four_ranks(tmp_path):
     _track_one_process(ranks, tmp_path)
 
 
+ZERO_BUBBLE = ("--device_parameters.pipeline.schedule", "InterleavedZeroBubble")
 REPLICATE, TP = ("--device_parameters.dp_replicate", "2"), ("--device_parameters.tensor_parallel", "2")
 
 

@@ -3,6 +3,8 @@ refusals (each with a suggestion), the layer split, the stage cut and its parame
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -129,3 +131,32 @@ def test_a_batch_the_micro_batches_do_not_divide_is_refused_naming_the_fix():
     with pytest.raises(ValueError, match=r"a validation batch of 6 samples cannot be cut into 4 equal pipeline "
                                          r"micro-batches.*multiple of 4 samples.*drop_last=True.*microbatches"):
         check_batch(torch.zeros(6, 3), 4, "validation")
+
+
+def test_auto_over_gloo_leaves_zero_bubble_out_and_says_why():
+    # Issue 40: on CPU ranks (gloo P2P) InterleavedZeroBubble measured slowest; the analytic
+    # bubble counts no communication. Over gloo, auto takes the next smallest expected bubble.
+    over_gloo = choose_schedule(PipelineParameters(), pp=2, batch=8, n_layers=4, gloo=True)
+    assert (over_gloo.schedule, over_gloo.stages_per_rank, over_gloo.microbatches) == ("Interleaved1F1B", 2, 4)
+    line = over_gloo.describe(2)
+    assert line.startswith("pipeline: schedule Interleaved1F1B, 2 ranks x 2 stage(s), 4 micro-batches (auto: ")
+    assert "InterleavedZeroBubble left out over gloo (CPU)" in line
+    assert "alternatives (expected bubble): 1F1B x1: 20.0%, GPipe x1: 20.0%, InterleavedZeroBubble x2: 4.0%" in line
+    # Two layers: one stage per rank, over gloo too; asked for, zero bubble still runs over gloo.
+    assert choose_schedule(PipelineParameters(), pp=2, batch=8, n_layers=2, gloo=True).schedule == "1F1B"
+    asked = choose_schedule(PipelineParameters(schedule="InterleavedZeroBubble"), pp=2, batch=8, n_layers=4, gloo=True)
+    assert asked.schedule == "InterleavedZeroBubble" and "(asked for; expected bubble 4.0%)" in asked.describe(2)
+    # NCCL (free communication as far as the model knows): the analytic preference.
+    assert choose_schedule(PipelineParameters(), pp=2, batch=8, n_layers=4).schedule == "InterleavedZeroBubble"
+
+
+def test_the_choice_is_logged_at_warning_once(caplog):
+    from dream_trainer.pipeline import PipelineRuntime
+
+    with torch.device("meta"):
+        holder = SimpleNamespace(model=_Net())
+    layout = PipelineLayout(layers="blocks", first=("emb",), last=("head",))
+    with caplog.at_level("WARNING", logger="dream_trainer.pipeline.runtime"):
+        PipelineRuntime().plan(holder, layout, PipelineParameters(), pp=2, pp_rank=0, batch=lambda: 8, gloo=True)
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(lines) == 1 and lines[0].startswith("pipeline: schedule Interleaved1F1B"), lines

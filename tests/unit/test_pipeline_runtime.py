@@ -49,8 +49,43 @@ def test_plan_cuts_the_holders_model_and_keeps_the_whole_one_until_its_weights_a
     assert net.emb.weight.is_meta
     with runtime.whole_model(holder, torch.device("cpu")) as whole:
         assert whole == [net] and holder.model is net
-        assert not any(t.is_meta for t in [*net.parameters(), *net.buffers()])
+        # Only this rank's layers are allocated (issue 40): the other rank's stay on meta.
+        assert [n for n, t in net.named_parameters() if not t.is_meta] == [n for n, _ in part.named_parameters()]
     assert holder.model is part and runtime.whole is None
+
+
+@torch.no_grad()
+def _init(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            module.weight.mul_(0.5)
+            nn.init.uniform_(module.bias, -0.1, 0.1)
+
+
+@pytest.mark.parametrize("schedule, pp_rank", [("1F1B", 0), ("1F1B", 1), ("Interleaved1F1B", 0),
+                                               ("Interleaved1F1B", 1)])
+def test_each_rank_initializes_its_layers_as_one_process_without_allocating_the_others(schedule, pp_rank):
+    reference = _Net()
+    torch.manual_seed(0)
+    _init(reference)  # one process, from the same seed
+    next_draw = torch.rand(3)
+    with torch.device("meta"):
+        net = _Net()
+    holder, runtime = SimpleNamespace(model=net), PipelineRuntime()
+    runtime.plan(holder, LAYOUT, PipelineParameters(schedule=schedule, microbatches=4), pp=2, pp_rank=pp_rank,
+                 batch=lambda: 8)
+    part = holder.model
+    part.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with runtime.whole_model(holder, torch.device("cpu")) as whole:
+        _init(whole[0])
+        allocated = {n for n, t in net.named_parameters() if not t.is_meta}
+    mine = dict(part.named_parameters())
+    assert allocated == set(mine) and len(mine) < len(dict(reference.named_parameters()))
+    for name, value in mine.items():
+        assert torch.equal(value, reference.get_parameter(name)), name  # bit for bit
+    assert torch.equal(torch.rand(3), next_draw)  # the random stream went on as in one process
 
 
 def test_each_stage_of_an_interleaved_rank_gets_the_hook_in_turn():
