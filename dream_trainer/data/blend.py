@@ -228,6 +228,14 @@ class BlendOrder:
         rows = np.concatenate([self.global_batch(first + s) for s in steps])
         return rows[start - steps[0] * size:stop - steps[0] * size]
 
+    def ids_at(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """The rows at `positions` (each in ``[0, n_samples)``) of nominal epoch `epoch`'s
+        global batches, each global batch computed once."""
+        size, first = self.global_batch_size, epoch * self.steps_per_epoch
+        steps = np.unique(positions // size)
+        batches = np.stack([self.global_batch(first + int(s)) for s in steps])
+        return batches[np.searchsorted(steps, positions // size), positions % size]
+
     def peek(self) -> np.ndarray:
         return self.global_batch(self.steps)
 

@@ -50,6 +50,7 @@ from dream_trainer.data.documents import (
     check_pad_id,
     sample_arrays,
 )
+from dream_trainer.data.order import WINDOW
 from dream_trainer.data.tokens import GlobalOrder, TokenFile, split_global_batch
 from dream_trainer.data.weighted import with_loss_weight
 
@@ -312,12 +313,17 @@ class TokenLoader(_Options):
         cursor's epoch, from the cursor on; the cursor stays."""
         order, per_rank, micro = self.order, self.global_batch_size // self.dp_size, self.micro_batch_size
         epoch, consumed, first = order.epoch, order.consumed, self._micro
-        while consumed + self.global_batch_size <= order.n_samples:
-            start = consumed + self.dp_rank * per_rank
-            share = order.ids(epoch, start, start + per_rank)
-            for index in range(first, self.accumulation_steps):
-                yield share[index * micro:(index + 1) * micro], index == self.accumulation_steps - 1
-            first, consumed = 0, consumed + self.global_batch_size
+        left = (order.n_samples - consumed) // self.global_batch_size  # whole global batches in the epoch
+        window = max(1, WINDOW // per_rank)  # this rank's shares of that many global batches at once
+        for done in range(0, left, window):
+            count = min(window, left - done)
+            starts = consumed + (done + np.arange(count)) * self.global_batch_size + self.dp_rank * per_rank
+            ids = order.ids_at(epoch, (starts[:, None] + np.arange(per_rank)).ravel())
+            shares = ids.reshape(count, per_rank, *ids.shape[1:])  # a blend's ids are (source, id) rows
+            for share in shares:
+                for index in range(first, self.accumulation_steps):
+                    yield share[index * micro:(index + 1) * micro], index == self.accumulation_steps - 1
+                first = 0
 
     def _take(self, ahead: deque[tuple[Future[Any], bool]]) -> Any:
         future, ends_step = ahead.popleft()

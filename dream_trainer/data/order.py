@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ORDER_VERSION", "GlobalOrder", "permuted", "split_global_batch"]
+__all__ = ["ORDER_VERSION", "WINDOW", "GlobalOrder", "permuted", "split_global_batch"]
 
 ORDER_VERSION = 2
 """The order new runs use: 2, the computed permutation (1: the materialized one of runs before)."""
@@ -35,7 +35,9 @@ ORDER_VERSION = 2
 _ROUNDS = 6
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)  # splitmix64's multipliers
 _S32 = np.uint64(32)
-_WINDOW = 8192  # sample ids evaluated at once by `GlobalOrder.peek` (at least one global batch)
+WINDOW = 8192
+"""Sample ids evaluated at once (`GlobalOrder.peek`, the loader's plan): numpy's cost per
+call, not per id, dominates a global batch's few hundred ids."""
 
 
 def _round(x: np.ndarray, key: np.uint64, width: int) -> np.ndarray:
@@ -141,17 +143,23 @@ class GlobalOrder:
         computed for those positions only)."""
         if not 0 <= start <= stop <= self.n_samples:
             raise ValueError(f"positions {start}..{stop}: must lie within the {self.n_samples} samples of an epoch")
+        return self.ids_at(epoch, np.arange(start, stop, dtype=np.int64))
+
+    def ids_at(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """The sample ids at `positions` (int64, each in ``[0, n_samples)``) of epoch
+        `epoch`'s order: one evaluation for positions anywhere in the epoch (a rank's shares
+        of several global batches at once)."""
         if not self.shuffle:
-            return np.arange(start, stop, dtype=np.int64)
+            return positions.astype(np.int64)
         if self.order_version == 1:  # a run saved before the computed order: its materialized permutation
             if self._cache.get("legacy_epoch") != epoch:
                 self._cache.update(legacy_epoch=epoch,
                                    legacy=np.random.default_rng([self.seed, epoch]).permutation(self.n_samples))
-            return self._cache["legacy"][start:stop]
+            return self._cache["legacy"][positions]
         if self._cache.get("keys_epoch") != epoch:
             rng = np.random.default_rng([self.seed, epoch])
             self._cache.update(keys_epoch=epoch, keys=rng.integers(0, 2**64, size=_ROUNDS, dtype=np.uint64))
-        return permuted(np.arange(start, stop, dtype=np.uint64), self.n_samples, self._cache["keys"])
+        return permuted(positions.astype(np.uint64), self.n_samples, self._cache["keys"])
 
     def order(self, epoch: int) -> np.ndarray:
         """The whole permutation of epoch `epoch` (O(n_samples) memory: for inspection and
@@ -171,7 +179,7 @@ class GlobalOrder:
                             (self.epoch, self.shuffle, self.seed, self.order_version))
         window = self._cache.get("window")  # the ids of a few batches ahead: one evaluation for several
         if window is None or window[0] != at or not window[1] <= start < stop <= window[1] + window[2].size:
-            ahead = min(self.n_samples, start + max(self.global_batch_size, _WINDOW))
+            ahead = min(self.n_samples, start + max(self.global_batch_size, WINDOW))
             window = self._cache["window"] = (at, start, self.ids(self.epoch, start, ahead))
         return window[2][start - window[1]:stop - window[1]]
 
