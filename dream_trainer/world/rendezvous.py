@@ -106,19 +106,24 @@ def listen_host(cluster: ClusterEnvironment, addr: str) -> str | None:
 def _serve(cluster: ClusterEnvironment, addr: str, port: int, timeout: timedelta) -> dist.TCPStore:
     """Rank 0's store server, listening on `listen_host` only (c10d's would listen on
     every interface); on every interface, with a warning, when that address is not one of
-    this machine's (a virtual address routed to it, say)."""
+    this machine's (a virtual address routed to it, say). The server is c10d's
+    ``multi_tenant`` one: a later store of this process on that port (another trainer in this
+    process, or torch's own ``env://`` rendezvous) shares it instead of failing to bind."""
     host = listen_host(cluster, addr)
     if host is not None:
         try:
             fd = listen_on(host, port)
         except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:  # a server of this process holds the port: c10d shares it
+                return dist.TCPStore(addr, port, cluster.world_size, is_master=True, timeout=timeout,
+                                     wait_for_workers=False, multi_tenant=True)
             if exc.errno != errno.EADDRNOTAVAIL:
                 raise
             logger.warning("the rendezvous store listens on every interface: MASTER_ADDR=%s (%s) is not an address "
                            "of this machine (%s)", addr, host, exc.strerror)
         else:
             return dist.TCPStore(host, port, cluster.world_size, is_master=True, timeout=timeout,
-                                 wait_for_workers=False, master_listen_fd=fd)
+                                 wait_for_workers=False, multi_tenant=True, master_listen_fd=fd)
     elif cluster.num_nodes > 1:
         logger.warning("the rendezvous store listens on every interface: MASTER_ADDR=%s resolves to loopback (or to "
                        "nothing) on rank 0's node; set MASTER_ADDR to the node's address to listen there only", addr)
