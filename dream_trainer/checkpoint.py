@@ -6,9 +6,11 @@ Layout under a root directory::
     .staging-step_000000140/   a save in progress (or one that crashed): never loaded
 
 A save writes into the staging directory; when every rank has written (DCP's ``.metadata``
-is written last, by the coordinator), rank 0 writes ``dream_trainer.json`` and renames the
+is written last, by the coordinator), rank 0 writes ``dream_trainer.json`` and the manifest
+of checksums (``manifest.json``, `dream_trainer.checkpoint_manifest`) and renames the
 directory to its final name. The rename is the commit: a checkpoint is either complete
-or invisible.
+or invisible; a resume verifies it before loading it (`dream_trainer.checkpoint_resume`).
+``python -m dream_trainer.checkpoint verify DIR`` checks checkpoints offline.
 
 `dream_trainer.weights_io` reads a checkpoint's model weights alone (``--init-from``,
 `export_model`: a plain safetensors file loadable without dream_trainer).
@@ -31,6 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from dream_trainer.checkpoint_manifest import write_manifest
 from dream_trainer.durable import fsync_dir
 from dream_trainer.errors import CheckpointError
 
@@ -47,7 +50,7 @@ _NAME = re.compile(r"^step_(\d+)$")
 _RANK_KEYS = "ranks."  # per-rank entries: present only for the ranks that wrote them
 # A callback new in this run has nothing to load; older checkpoints have no list of saved
 # callbacks and no skip counters.
-_OPTIONAL_KEYS = ("callbacks.", "trainer.callbacks", "trainer.skipped_", "trainer.data", "trainer.accumulation")
+_OPTIONAL_KEYS = ("callbacks.", "trainer.callbacks", "trainer.skipped_", "trainer.data", "trainer.accumulation", "goodput.")
 
 
 @runtime_checkable
@@ -156,15 +159,22 @@ def to_remove(infos: list[CheckpointInfo], keep_last: int | None, keep_best: int
     return [info for info in infos if info.path not in keep]
 
 
+def committed_name(staging: Path) -> Path:
+    """The directory a staging directory becomes when committed."""
+    return staging.with_name(staging.name.removeprefix(STAGING_PREFIX))
+
+
 def commit(staging: Path, meta: dict[str, Any]) -> Path:
-    """Write the metadata file into a finished staging directory and rename it to its
-    final name (replacing an older checkpoint of the same step)."""
-    final = staging.with_name(staging.name[len(STAGING_PREFIX):])
+    """Write the metadata file and the manifest of checksums (`write_manifest`, fsynced)
+    into a finished staging directory and rename it to its final name (replacing an older
+    checkpoint of the same step)."""
+    final = committed_name(staging)
     meta_file = staging / META_FILE
     with open(meta_file, "w") as handle:
         json.dump({**meta, "format": FORMAT}, handle)
         handle.flush()
         os.fsync(handle.fileno())
+    write_manifest(staging)
     if final.exists():
         shutil.rmtree(final)
     os.rename(staging, final)
@@ -440,3 +450,9 @@ def _dcp_load(template: dict[str, Any], path: Path, **kwargs: Any) -> None:
         if cause is not None:
             raise CheckpointError(f"cannot load checkpoint {path}: {cause}") from None
         raise CheckpointError(f"cannot load checkpoint {path}: {describe(exc)}") from exc
+
+
+if __name__ == "__main__":  # python -m dream_trainer.checkpoint verify DIR
+    from dream_trainer.checkpoint_manifest import main
+
+    raise SystemExit(main())

@@ -1,9 +1,13 @@
-"""Staging for ``async_mode="async_pinned"`` checkpoint saves: `PinnedStager`, DCP's
-``DefaultStager`` kept from one save to the next where this torch allows it
-(`stager_reusable`)."""
+"""Writing a checkpoint's state: `write_state` / `write_state_async` (DCP, each rank hashing
+the files it wrote for the manifest), and staging for ``async_mode="async_pinned"`` saves:
+`PinnedStager`, DCP's ``DefaultStager`` kept from one save to the next where this torch
+allows it (`stager_reusable`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +40,60 @@ class PinnedStager:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+
+
+def write_state(state: dict[str, Any], staging: Path) -> None:
+    """Write `state` into the directory `staging` with DCP, each rank hashing the files it
+    wrote (`dream_trainer.checkpoint_manifest.manifest_writer`); a failure raises
+    `CheckpointError`."""
+    import torch.distributed.checkpoint as dcp
+
+    from dream_trainer.checkpoint import dcp_errors, describe
+    from dream_trainer.checkpoint_manifest import manifest_writer
+    from dream_trainer.errors import CheckpointError
+
+    try:
+        dcp.save(state, checkpoint_id=str(staging), storage_writer=manifest_writer(staging))
+    except dcp_errors() as exc:  # DCP's CheckpointException is a BaseException
+        raise CheckpointError(f"checkpoint save to {staging} failed: {describe(exc)}") from exc
+
+
+def write_state_async(state: dict[str, Any], staging: Path, group: Any, pinned: PinnedStager | None,
+                      then: Callable[[], None]) -> Future[None]:
+    """`write_state` in DCP's background thread, its collectives on `group`: returns once
+    the state is copied (by `pinned`'s stager, or by a stager of this save's own, closed
+    when the upload ends); runs `then` in that thread once written, and returns a future
+    that ends after `then` (with the error of either)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from dream_trainer.checkpoint_manifest import manifest_writer
+
+    writer = manifest_writer(staging)
+    # Without a stager of ours: what dcp.async_save makes when given none, which it no
+    # longer does once handed a storage writer (the writer would stage).
+    own = None if pinned is not None else DefaultStager(StagingOptions(False, False, False, False))
+    done: Future[None] = Future()
+
+    def finish(upload: Any) -> None:
+        try:
+            if own is not None:
+                own.close()
+            upload.result()
+            then()
+            done.set_result(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+            done.set_exception(exc)
+
+    try:
+        upload = dcp.async_save(state, checkpoint_id=str(staging), storage_writer=writer, process_group=group,
+                                async_stager=own if pinned is None else pinned.for_save())
+    except BaseException:
+        if own is not None:
+            own.close()
+        raise
+    upload.add_done_callback(finish)
+    return done
 
 
 _REUSABLE: list[bool] = []

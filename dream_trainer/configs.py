@@ -47,6 +47,22 @@ def _seconds(owner: str, name: str, value: Any, *, allow_none: bool = False) -> 
         raise ValueError(f"{owner}.{name}={value!r} is invalid: expected a finite number > 0" + (" or None" if allow_none else ""))
 
 
+def _watchdog_fields(owner: str, hang_report_s: Any, timeout_s: float, straggler_factor: Any) -> None:
+    """`DeviceParameters.hang_report_s` (None, 0: off, or under `timeout_s`) and `straggler_factor` (None or > 1)."""
+    if hang_report_s is not None and (isinstance(hang_report_s, bool) or not isinstance(hang_report_s, (int, float))
+                                      or not 0 <= hang_report_s < math.inf):
+        raise ValueError(f"{owner}.hang_report_s={hang_report_s!r} is invalid: expected None (the default), 0 (off) "
+                         "or a number of seconds > 0")
+    if hang_report_s:
+        if hang_report_s >= timeout_s:
+            raise ValueError(f"{owner}.hang_report_s={hang_report_s!r} is invalid: expected less than "
+                             f"timeout_s={timeout_s!r} (a hang is reported before the collective times out), "
+                             "None (the default) or 0 (off)")
+    if straggler_factor is not None and (isinstance(straggler_factor, bool) or not isinstance(
+            straggler_factor, (int, float)) or not math.isfinite(straggler_factor) or straggler_factor <= 1):
+        raise ValueError(f"{owner}.straggler_factor={straggler_factor!r} is invalid: expected a number > 1 or None")
+
+
 def check_name(what: str, value: Any) -> str:
     """`value` if it is a valid directory name (experiment, run): non-empty, no path
     separator, not ``.``/``..``, no NUL; else ValueError naming `what`. Used for names
@@ -212,6 +228,19 @@ class DeviceParameters:
     nor ``foreach`` run fused (one kernel launch per update phase for all parameters;
     torch's own default there is ``foreach``). False: optimizers run as built. See
     `dream_trainer.trainer.fused`.
+
+    `hang_report_s`: how long a rank waits in one collective before it looks for the rank
+    that never entered it and names it (its step, phase and Python stack), at ERROR
+    (`dream_trainer.world.watchdog`). None (default): ``min(60, timeout_s / 4)``; during the
+    first step of a `fit()` (under `init_timeout_s`) at least a quarter of `init_timeout_s`;
+    0: off. Must be under `timeout_s`.
+    `hang_abort_s`: how long that wait may last before the named hang stops the run on both
+    sides (the late rank interrupted, the waiting one released), each with the report. None
+    (default): just before the collective timeout (which would end the wait anyway), so a
+    rank that legitimately works alone for longer than `hang_report_s` is named, not killed.
+    `straggler_factor`: at each log step, a rank whose work before its first collective
+    (or whose data wait) per step is over this factor times the median of the other ranks'
+    is named (`dream_trainer.world.stragglers`); None: off.
     """
 
     device: str = "auto"
@@ -232,6 +261,9 @@ class DeviceParameters:
     fused_optimizers: bool = True
     init_timeout_s: float = 600.0
     timeout_s: float = 300.0
+    hang_report_s: float | None = None
+    hang_abort_s: float | None = None
+    straggler_factor: float | None = 1.5
 
     def __post_init__(self) -> None:
         owner = "DeviceParameters"
@@ -263,6 +295,11 @@ class DeviceParameters:
                 raise ValueError(f"{owner}.{name}={value!r} is invalid: expected None or one of {_DTYPES}")
         for name in ("init_timeout_s", "timeout_s"):
             _seconds(owner, name, getattr(self, name))
+        _watchdog_fields(owner, self.hang_report_s, self.timeout_s, self.straggler_factor)
+        if self.hang_abort_s is not None and (isinstance(self.hang_abort_s, bool) or not isinstance(
+                self.hang_abort_s, (int, float)) or not 0 < self.hang_abort_s < self.timeout_s):
+            raise ValueError(f"{owner}.hang_abort_s={self.hang_abort_s!r} is invalid: expected None (the default: "
+                             f"just before the collective timeout) or seconds > 0 and under timeout_s={self.timeout_s!r}")
         _flags(owner, self, "compile_model", "checkpoint_activations", "cpu_offload", "fused_optimizers")
 
     @classmethod
@@ -317,6 +354,12 @@ class CheckpointParameters:
             (``SLURM_RESTART_COUNT`` or ``TORCHELASTIC_RESTART_COUNT`` above 0) without
             such a record; True starts it from step 0 with a warning
             (`dream_trainer.restarts.missing_checkpoint`).
+        verify: how a resume checks a checkpoint against the checksums saved with it
+            (``manifest.json``) before loading it: ``"all"`` (the default: every file's size
+            and checksum, the ranks sharing the reading), ``"sampled"`` (every file's size,
+            the checksums of ``.metadata``, ``dream_trainer.json`` and one data file in 8) or
+            ``"off"``. A damaged newest checkpoint is named at WARNING and the one before it
+            is resumed from (`dream_trainer.checkpoint_resume`).
     """
 
     root_dir: str | os.PathLike[str] | None = None
@@ -331,6 +374,7 @@ class CheckpointParameters:
     strict: bool = True
     async_mode: Literal["off", "async", "async_pinned"] = "off"
     allow_fresh_restart: bool = False
+    verify: Literal["all", "sampled", "off"] = "all"
 
     def __post_init__(self) -> None:
         owner = "CheckpointParameters"
@@ -346,6 +390,8 @@ class CheckpointParameters:
             raise ValueError(f"{owner}.mode={self.mode!r} is invalid: expected 'min' or 'max'")
         if self.async_mode not in ("off", "async", "async_pinned"):
             raise ValueError(f"{owner}.async_mode={self.async_mode!r} is invalid: expected 'off', 'async' or 'async_pinned'")
+        if self.verify not in ("all", "sampled", "off"):
+            raise ValueError(f"{owner}.verify={self.verify!r} is invalid: expected 'all', 'sampled' or 'off'")
         if self.resume_mode == "best" and self.monitor is None:
             raise ValueError(f"{owner}.resume_mode='best' needs a monitor (e.g. monitor='val/loss')")
 

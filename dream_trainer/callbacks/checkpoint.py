@@ -3,13 +3,14 @@ whole trainer, saved on a schedule, at preemption and at the end; resumed at set
 
 - What: ``trainer.state_dict()`` — models and optimizers (any sharding), schedulers,
   counters, callback states, every rank's RNG states and dataloader position.
-- Resume: in `post_configure` (from ``resume_mode``); incomplete saves are removed. A
-  restart that finds no checkpoint where its earlier attempt committed one fails
-  (`dream_trainer.restarts`: the run directory's resume record, the job's restart count).
+- Resume: in `post_configure`, from the newest checkpoint that verifies (``verify``,
+  `dream_trainer.checkpoint_resume`); incomplete saves are removed. A restart that finds no
+  checkpoint where its earlier attempt committed one fails (`dream_trainer.restarts`).
 - When: every N steps (after that step's validation, so a resumed run continues exactly),
   every N epochs, at the end of `fit()`, and when the run is preempted (SIGTERM/SIGINT
   handled at a step boundary, see `BaseTrainer`).
-- How: into a staging directory, committed by rename once complete (`dream_trainer.checkpoint`).
+- How: into a staging directory with a manifest of checksums, committed by rename once
+  complete (`dream_trainer.checkpoint`, `dream_trainer.checkpoint_manifest`).
   With ``async_mode`` the loop waits only for a copy of the state; writing, the commit and
   pruning run in a background thread (collectives on their own gloo process group), one
   save at a time; its errors are raised at the next step; the end of `fit()` waits for it.
@@ -21,26 +22,16 @@ import logging
 import shutil
 import time
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from dream_trainer.protocol.base import Callback
-from dream_trainer.checkpoint import (
-    STAGING_PREFIX,
-    CheckpointError,
-    best_of,
-    check_shared_root,
-    check_writable,
-    clean_staging,
-    dcp_errors,
-    describe,
-    commit,
-    list_checkpoints,
-    load_checkpoint,
-    staging_dir,
-    to_remove,
-)
-from dream_trainer.checkpoint_staging import PinnedStager
+from dream_trainer.checkpoint import (CheckpointError, check_shared_root, check_writable, clean_staging, commit,
+                                      committed_name, dcp_errors, describe, list_checkpoints, load_checkpoint,
+                                      staging_dir, to_remove)
+from dream_trainer.checkpoint_resume import choose_resume
+from dream_trainer.checkpoint_staging import PinnedStager, write_state, write_state_async
 from dream_trainer.configs import CheckpointParameters
 from dream_trainer.restarts import fresh_start_refusal, note_checkpoints, warn_if_node_local
 from dream_trainer.serialization import UnsafeStateError
@@ -213,42 +204,33 @@ class CheckpointCallback(Callback[BaseTrainer]):
         self.wait()  # at most one save in flight (waiting for it counts as blocked time)
         staging = staging_dir(self.root, step)
         staging.mkdir(parents=True, exist_ok=True)
-        monitor = self.params.monitor
-        score = trainer.logged_metrics.get(monitor) if monitor else None
-        if monitor and score is None:
-            logger.warning("checkpoint at step %d has no score: %r has not been logged yet", step, monitor)
-        meta = {"step": step, "epoch": trainer.current_epoch, "score": score, "monitor": monitor,
-                "world_size": trainer.world.world_size, "time": time.time()}
-        import torch.distributed.checkpoint as dcp
-
+        meta = self._meta(step)
         state = trainer.state_dict()
         if self.params.async_mode == "off" or blocking:
-            try:
-                dcp.save(state, checkpoint_id=str(staging))
-            except dcp_errors() as exc:  # DCP's CheckpointException is a BaseException
-                raise CheckpointError(f"checkpoint save to {staging} failed: {describe(exc)}") from exc
+            write_state(state, staging)
             self._commit(staging, meta)
             self.blocked_s.append(time.perf_counter() - start)
             self.save_s.append(self.blocked_s[-1])
-            trainer.callbacks.on_checkpoint_saved(_final(staging), step)
+            trainer.callbacks.on_checkpoint_saved(committed_name(staging), step)
         else:
-            stager = self._stager.for_save() if self._stager is not None else None
-            upload = dcp.async_save(state, checkpoint_id=str(staging), process_group=self._group, async_stager=stager)
-            done: Future[None] = Future()
+            def committed() -> None:  # in the writer thread: commit and prune there too
+                self._commit(staging, meta)
+                self.save_s.append(time.perf_counter() - start)
 
-            def finish(upload: Any) -> None:  # in the writer thread: commit and prune there too
-                try:
-                    upload.result()
-                    self._commit(staging, meta)
-                    self.save_s.append(time.perf_counter() - start)
-                    done.set_result(None)
-                except BaseException as exc:  # noqa: BLE001 - handed to the training thread
-                    done.set_exception(exc)
-
-            upload.add_done_callback(finish)
+            done = write_state_async(state, staging, self._group, self._stager, committed)
             self._pending = (done, staging, step)
             self.blocked_s.append(time.perf_counter() - start)
+        trainer.goodput.add("checkpoint", self.blocked_s[-1])  # the ledger: the training thread was blocked
         self._last_step = step
+
+    def _meta(self, step: int) -> dict[str, Any]:
+        """What ``dream_trainer.json`` records of the save at `step`."""
+        trainer, monitor = self.trainer, self.params.monitor
+        score = trainer.logged_metrics.get(monitor) if monitor else None
+        if monitor and score is None:
+            logger.warning("checkpoint at step %d has no score: %r has not been logged yet", step, monitor)
+        return {"step": step, "epoch": trainer.current_epoch, "score": score, "monitor": monitor,
+                "world_size": trainer.world.world_size, "time": time.time()}
 
     def wait(self, raise_errors: bool = True) -> None:
         """Wait for the background save (if any): written and committed. Its error, if
@@ -264,7 +246,7 @@ class CheckpointCallback(Callback[BaseTrainer]):
                 logger.error("background checkpoint save to %s failed: %s", staging, describe(exc))
                 return
             raise CheckpointError(f"background checkpoint save to {staging} failed: {describe(exc)}") from exc
-        self.trainer.callbacks.on_checkpoint_saved(_final(staging), step)
+        self.trainer.callbacks.on_checkpoint_saved(committed_name(staging), step)
 
     def _poll(self) -> None:
         if self._pending is not None and self._pending[0].done():
@@ -294,44 +276,13 @@ class CheckpointCallback(Callback[BaseTrainer]):
 
     # ------------------------------------------------------------------ resuming
     def _choose_resume(self) -> Path | None:
-        """Rank 0 picks the checkpoint; every rank gets its choice (or its error)."""
-        mode, world = self.params.resume_mode, self.trainer.world
-        choice: Any = None
-        if world.is_rank_zero and mode is not None:
-            assert self.root is not None
-            if mode == "last":
-                choice = self._newest()
-            elif mode == "best":
-                infos = list_checkpoints(self.root)
-                best = best_of(infos, self.params.mode)
-                if best:
-                    choice = best[0].path
-                elif infos:
-                    choice = CheckpointError(f"resume_mode='best': no checkpoint under {self.root} has a score")
-            else:
-                choice = Path(mode)
-            if choice is None:  # a restart that lost its checkpoints fails: rank 0 decides for all
-                choice = fresh_start_refusal(self.trainer.run_dir, self.resume_roots(), self.params.allow_fresh_restart)
-        choice = world.broadcast_object(choice)
-        if isinstance(choice, Exception):
-            raise choice
-        if choice is None and mode is not None:
-            logger.info("no checkpoint to resume from under %s: starting fresh", self.root)
-        return choice
-
-    def _newest(self) -> Path | Exception | None:
-        """The newest checkpoint under the world's `resume_roots` (this root's on a tie); a
-        root the world refuses (one leading out of the run) is an error for every rank."""
+        """The newest (or best, or named) checkpoint that verifies, agreed by every rank
+        (`dream_trainer.checkpoint_resume.choose_resume`); a restart that lost its
+        checkpoints fails (rank 0 decides for all)."""
         assert self.root is not None
-        try:
-            infos = [info for root in self.resume_roots() for info in list_checkpoints(root)]
-        except Exception as exc:  # noqa: BLE001 - sent to every rank, raised there
-            return exc
-        own = self.root.resolve()
-        newest = max(infos, key=lambda info: (info.step, info.path.parent.resolve() == own), default=None)
-        if newest is not None and newest.path.parent.resolve() != own:
-            logger.warning("resumes from %s: newer than the checkpoints under %s", newest.path, self.root)
-        return newest.path if newest is not None else None
+        roots = self.resume_roots()
+        refusal = partial(fresh_start_refusal, self.trainer.run_dir, roots, self.params.allow_fresh_restart)
+        return choose_resume(self.trainer.world, self.params, self.root, roots, refusal)
 
     def load(self, path: str | Path) -> None:
         """Restore the trainer from the checkpoint at `path`."""
@@ -346,7 +297,3 @@ class CheckpointCallback(Callback[BaseTrainer]):
         logger.info("resumed from %s at step %d, epoch %d", path, trainer.global_step, trainer.current_epoch)
         trainer.callbacks.on_checkpoint_loaded(Path(path), trainer.global_step)
 
-
-def _final(staging: Path) -> Path:
-    """The committed name of a staging directory."""
-    return staging.with_name(staging.name.removeprefix(STAGING_PREFIX))

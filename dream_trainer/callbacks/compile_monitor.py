@@ -116,6 +116,7 @@ class CompileMonitorCallback(Callback[DreamTrainer]):
         entry, seconds = self.regions[region], time.perf_counter() - started
         entry["time_s"] += seconds
         self.trainer.build.add_compile_time(region, seconds)  # the trainer's record: what reports read
+        self.trainer.goodput.add("compile", seconds)  # the ledger: out of the step (or validation) it ran in
         first = entry["graphs"] == 0  # regions sharing one forward share dynamo's frame: not a recompile
         entry["graphs"] += 1
         frame_compile = str(args.compile_id).split("/")[-1].split("]")[0]

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from dream_trainer.protocol.base import RankZeroCallback
-from dream_trainer.callbacks.monitors.throughput import device_peak_flops, model_flops
+from dream_trainer.callbacks.monitors.throughput import model_flops
+from dream_trainer.callbacks.peak_flops import resolve_peak
 from dream_trainer.trainer.base import BaseTrainer
 from dream_trainer.world.memory import MB
 
@@ -33,7 +34,8 @@ class PerformanceReportCallback(RankZeroCallback[BaseTrainer]):
     - throughput: samples/s and tokens/s (this rank, and across data-parallel ranks);
     - model FLOP/s per device from ``trainer.model_flops_per_token`` (or
       ``model_flops_per_sample`` for batches without tokens), and MFU when the peak is known
-      (`peak_flops` per device, or a known GPU);
+      (`peak_flops` per device, or a known GPU in the training dtype, float8 included); the
+      peak used and its source (user or table, device, dtype) are in the report and the log;
     - peak memory since `fit()` started training (``trainer.world.memory_status()``: the
       device's allocated memory on CUDA, the process's resident set on CPU), compile time
       (``trainer.build.total_compile_time_s``: measured when a `CompileMonitorCallback` runs);
@@ -112,6 +114,7 @@ class PerformanceReportCallback(RankZeroCallback[BaseTrainer]):
         (out / "performance_report.json").write_text(json.dumps(report, indent=1))
         (out / "performance_report.md").write_text(_markdown(report))
         logger.info("performance report: %s", "; ".join(report["findings"]))
+        logger.info("performance report: %s", report["flops"]["peak_source"])
         return report
 
     def compute(self) -> dict[str, Any]:
@@ -175,13 +178,15 @@ class PerformanceReportCallback(RankZeroCallback[BaseTrainer]):
                          "training_step (forward and backward)")
         return found
 
-    def _flops(self, samples_per_s: float, tokens_per_s: float | None) -> dict[str, float | None]:
-        """Model FLOP/s (from the trainer's FLOPs per token or per sample) and MFU."""
+    def _flops(self, samples_per_s: float, tokens_per_s: float | None) -> dict[str, Any]:
+        """Model FLOP/s (from the trainer's FLOPs per token or per sample), MFU and the peak's source."""
         trainer = self.trainer
         per_token, ranks = trainer.model_flops_per_token, trainer.world.world_size
         achieved = model_flops(trainer, samples_per_s, tokens_per_s, per_token)
-        peak = self.peak_flops if self.peak_flops is not None else device_peak_flops(trainer.world.device)
+        resolved = resolve_peak(trainer, self.peak_flops)
+        peak = resolved.value
         return {
+            "peak": resolved.as_dict(), "peak_source": resolved.describe(),
             "model_flops_per_token": per_token, "model_flops_per_sample": trainer.model_flops_per_sample,
             "tflops_per_device": achieved / ranks / 1e12 if achieved is not None else None,
             "peak_tflops_per_device": peak / 1e12 if peak else None,
@@ -219,6 +224,7 @@ def _markdown(r: dict[str, Any]) -> str:
     if f["tflops_per_device"] is not None:
         mfu = f", MFU {100 * f['mfu']:.1f} % of {f['peak_tflops_per_device']:,.0f} TFLOP/s" if f["mfu"] is not None else ""
         lines.append(f"- model FLOPs: {f['tflops_per_device']:,.4g} TFLOP/s per device{mfu}")
+    lines.append(f"- {f['peak_source']}")
     if r["compile_time_s"] is not None:
         lines.append(f"- compile time: {r['compile_time_s']:.2f} s")
     if r["warmup_step_time_s"]:

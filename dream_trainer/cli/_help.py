@@ -50,6 +50,12 @@ FALLBACK_HELP: dict[str, dict[str, str]] = {"DeviceParameters": {
                         "update phase).",
     "init_timeout_s": "seconds the process group's set-up (rendezvous, first collectives) may take.",
     "timeout_s": "seconds a collective may take once training runs, before the run fails.",
+    "hang_report_s": "seconds a rank waits in one collective before it names the rank that never entered it, "
+                     "with its stack (None: min(60, timeout_s / 4); 0: off).",
+    "hang_abort_s": "seconds that wait may last before the named hang stops the run on both sides (None: just "
+                    "before the collective timeout).",
+    "straggler_factor": "a rank slower than this factor times the other ranks' median (work before the first "
+                        "collective, or data wait) is named at log steps (None: off).",
 }}
 """Help for fields that have no docstring, by class name (until the classes document them)."""
 

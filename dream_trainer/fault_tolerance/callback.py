@@ -179,6 +179,7 @@ class FaultToleranceCallback(Callback[BaseTrainer]):
     def _record(self, event: dict[str, Any]) -> None:
         if event["event"] == "heal":
             self.heals += 1
+            self.trainer.goodput.add("heal", float(event.get("seconds", 0.0)))  # the quorum that healed: the ledger's
         with self._lock:  # "heal_sent" comes from torchft's quorum thread
             if self._file is not None:
                 self._file.write(json.dumps(event) + "\n")

@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from dream_trainer.configs import LoggingParameters, TrainerConfig, TrainingParameters
+from dream_trainer.trainer.goodput import GoodputLedger
 from dream_trainer.trainer.metric_log import check_metrics
 from dream_trainer.trainer.model_facts import ModelFacts, dense_flops_per_token
 from dream_trainer.trainer.telemetry import StepStats, count_batch
@@ -63,6 +64,7 @@ class AbstractTrainer(ABC):
         self.current_epoch = 0
         self.local_batches = 0
         self.model_facts = ModelFacts()  # parameter owners, model FLOPs
+        self.goodput = GoodputLedger()  # where the wall time went (checkpointed with the state)
 
     # ------------------------------------------------------------------ discovery
     def _named(self, kind: type[T]) -> dict[str, T]:
@@ -135,8 +137,9 @@ class AbstractTrainer(ABC):
 
     def estimate_model_flops_per_token(self) -> float | None:
         """The default of `model_flops_per_token`: `dense_flops_per_token` of every model
-        (6 x the parameters outside embeddings). Override for a better count (e.g. add
-        attention's ``12 * n_layers * d_model * seq_len``); return None for unknown."""
+        (6 x the parameters outside embeddings). Override for a better count, e.g. with
+        attention (`dream_trainer.trainer.model_facts.transformer_flops_per_token`: causal
+        attention counted at half, as the examples' trainers do); return None for unknown."""
         return dense_flops_per_token(self.named_models().values()) or None
 
     @property

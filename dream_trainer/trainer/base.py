@@ -62,10 +62,7 @@ class BaseTrainer(AbstractTrainer):
         self._check_plan(self.world)
         cbs = config.callbacks
         self.callbacks = cbs if isinstance(cbs, CallbackCollection) else CallbackCollection(cbs)
-        self.is_accumulating_gradients = False
-        self.validating = False
-        self.sanity_checking = False
-        self.resumed = False
+        self.validating = self.sanity_checking = self.resumed = self.is_accumulating_gradients = False
         self.status = "created"
         self.stop_reason: str | None = None
         self.is_last_batch = False  # the current batch ends the epoch (or the run)
@@ -131,9 +128,7 @@ class BaseTrainer(AbstractTrainer):
         """Resolve epoch lengths and check that every rank agrees. Override to add more
         (call ``super().setup()``)."""
         if self.train_dataloader is None:
-            raise ValueError(
-                f"{type(self).__name__} has no training data: set self.train_dataloader in configure()"
-            )
+            raise ValueError(f"{type(self).__name__} has no training data: set self.train_dataloader in configure()")
         self.data_position.agree_lengths(self.world, self.train_dataloader, self.val_dataloader,
                                          self.training_parameters, self.gradient_accumulation_steps)
         if not self.world.global_agreement((self.seed, self.train_steps_per_epoch)):
@@ -148,9 +143,7 @@ class BaseTrainer(AbstractTrainer):
 
     def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         """One validation batch; the returned scalars are averaged and logged as ``val/<key>``."""
-        raise NotImplementedError(
-            f"{type(self).__name__} has a val_dataloader but does not implement validation_step()"
-        )
+        raise NotImplementedError(f"{type(self).__name__} has a val_dataloader but does not implement validation_step()")
 
     # ================================================================== lifecycle
     def fit(self) -> None:
@@ -162,6 +155,7 @@ class BaseTrainer(AbstractTrainer):
         # stops the run at once, also while waiting for the other ranks to arrive.
         restore_signals = self.control.install_signal_handlers(lambda: self.status == "running" and self.world.launched)
         self.status = "running"
+        self.goodput.start()  # the ledger's clock: wall time from here
         self.step_path.timeout_relaxed = False
         failure: BaseException | None = None  # a critical callback's error at the end
         try:
@@ -266,6 +260,7 @@ class BaseTrainer(AbstractTrainer):
         else:
             self.control.drain()
         failure = None
+        self.goodput.finish(getattr(self, "run_dir", None), report=self.world.is_rank_zero)
         failures = self.callbacks.on_teardown(self.status)
         if failures and self.status != "failed":
             self.status, failure = "failed", failures[0]
@@ -312,7 +307,7 @@ class BaseTrainer(AbstractTrainer):
         losses = RunningMean()  # on the device, one add per 256 steps
         start = batch_idx = self.local_batches - 1  # > -1 when resuming mid-epoch
         path, position = self.step_path, self.data_position
-        path.fetch_start = path.step_end = time.perf_counter()  # the first wait includes making the iterator
+        path.fetch_start = path.step_end = self.goodput.fetching()  # the first wait includes making the iterator
         try:
             batches = position.epoch_batches(self.train_dataloader, self, self.world, self.gradient_accumulation_steps)
             position.iterating = True
@@ -325,13 +320,14 @@ class BaseTrainer(AbstractTrainer):
                     losses.add(loss)
                 if done:
                     break
-                path.fetch_start = time.perf_counter()
+                path.fetch_start = self.goodput.fetching()  # a perf_counter read
             else:
                 position.epoch_complete = True  # not cut short by max_steps: a resume starts the next epoch
         finally:  # also when a step raises (StopTraining, a failure): no stale per-step flag
             self.metric_log.gate = None
             self.is_accumulating_gradients = self.is_last_batch = False
             path.open = position.iterating = False
+            self.goodput.idle()
         self.metric_log.flush()  # values logged since the last log step: not dropped
         if batch_idx == start == -1:
             raise ValueError(
@@ -359,7 +355,7 @@ class BaseTrainer(AbstractTrainer):
             skipped = cb.skips_batches and self.stepper.skip_batch(ends_step=not accumulating)
             result, loss = {}, None
             if not skipped:
-                started = time.perf_counter()
+                started = self.stepper.compute_starts()  # perf_counter; the watchdog's phase "training_step"
                 try:
                     if accumulating or cb.has_train_context or self.world.train_context() is not None:
                         result = self._run_step(self.training_step, batch, batch_idx, "train_context", accumulating)
@@ -382,6 +378,7 @@ class BaseTrainer(AbstractTrainer):
                                              self.callbacks.log_intervals)
         self.metric_log.gate = not accumulating and log_kind > 0
         self.stepper.loss_weight = getattr(batch, "loss_weight", None)  # before the transfer: this batch's own
+        self.goodput.arrived()
         self.stepper.batch_arrived(batch, step)
         return accumulating, log_kind
 
@@ -395,6 +392,7 @@ class BaseTrainer(AbstractTrainer):
         kind = 0 if accumulating else log_kind
         means = log_.step_means(step, result, accumulating) if log_kind == 2 and not skipped else None
         step_skipped = not accumulating and self.stepper.end_step()
+        self.goodput.step_end(step_skipped, accumulating)
         log = kind > 0 and not step_skipped
         own: dict[str, Any] = {}
         if kind == 2 and log and means is not None:  # the trainer's own metrics
@@ -456,6 +454,7 @@ class BaseTrainer(AbstractTrainer):
         cb = self.callbacks
         limit = self.training_parameters.num_sanity_val_steps if sanity else self.val_steps_per_epoch
         modes = {name: m.training for name, m in self.named_models().items()}
+        self.goodput.push("validation")
         for model in self.named_models().values():
             model.eval()
         self.validating, self.sanity_checking = True, sanity
@@ -478,6 +477,7 @@ class BaseTrainer(AbstractTrainer):
                 self.stepper.step_metric_schedulers()
             return means
         finally:
+            self.goodput.pop("validation")
             self.validating = self.sanity_checking = False
             for name, model in self.named_models().items():
                 model.train(modes[name])

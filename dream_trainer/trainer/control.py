@@ -22,6 +22,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -58,10 +59,19 @@ class TrainingInterrupted(BaseException):
         self.agreed_signal = signum if agreed_signal is None else agreed_signal
 
 
+class _Tracker(Protocol):
+    """What the control plane needs of the world's `CollectiveTracker` (the hang watchdog reads it)."""
+
+    def region(self, name: str) -> AbstractContextManager[Any]: ...
+
+    def between_steps(self) -> None: ...
+
+
 class _World(Protocol):
     """What the control plane needs of the world."""
 
     world_size: int
+    collectives: _Tracker
 
     def all_gather_object(self, obj: Any) -> list[Any]: ...
 
@@ -155,16 +165,19 @@ class ControlPlane:
         import torch.distributed as dist
 
         agreed = [0, 0, 0]
-        if self._work is not None:
-            work, flag = self._work
-            self._work = None
-            work.wait()  # started a step ago: done by now (a CPU tensor, no device sync)
-            agreed = flag.tolist()
-        flag = torch.tensor(self.local_flags(), dtype=torch.int32)
-        if blocking:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            return [max(a, b) for a, b in zip(agreed, flag.tolist())]
-        self._work = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        with world.collectives.region("control point: the ranks' agreement on stop requests and signals"):
+            if self._work is not None:
+                work, flag = self._work
+                self._work = None
+                work.wait()  # started a step ago: done by now (a CPU tensor, no device sync)
+                agreed = flag.tolist()
+            flag = torch.tensor(self.local_flags(), dtype=torch.int32)
+            if blocking:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                agreed = [max(a, b) for a, b in zip(agreed, flag.tolist())]
+            else:
+                self._work = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        world.collectives.between_steps()
         return agreed
 
     def decide(self, world: _World, callbacks: _Disabler, blocking: bool = True) -> None:

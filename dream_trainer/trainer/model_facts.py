@@ -56,9 +56,10 @@ def dense_flops_per_token(models: Iterable[nn.Module]) -> float:
     parameters outside embedding lookups (``nn.Embedding``, ``nn.EmbeddingBag``: a lookup
     does no matmul), each counted once: a weight tied to an output layer counts, as that
     layer's. Sharded parameters (DTensor) count at their full size, so every rank and
-    layout gets the same number. Left out: attention's sequence-length term
-    (``12 * n_layers * d_model * seq_len`` per token), small for short sequences; frozen
-    parameters count as trained."""
+    layout gets the same number. Left out: attention's sequence-length term (add
+    `attention_flops_per_token`; `transformer_flops_per_token` is both); frozen parameters
+    count as trained. Biases and norm weights count too (a matmul-only FLOP counter does
+    not see them: about ``1 / d_model`` of the total)."""
     seen: set[int] = set()
     n = 0
     for model in models:
@@ -70,6 +71,30 @@ def dense_flops_per_token(models: Iterable[nn.Module]) -> float:
                     seen.add(id(p))
                     n += p.numel()
     return 6.0 * n
+
+
+def attention_flops_per_token(n_layers: int, d_model: int, seq_len: int, causal: bool = True) -> float:
+    """Training FLOPs per token of attention's scores and weighted sum (``Q K^T`` and
+    ``P V``, forward and backward): ``12 * n_layers * d_model * seq_len``, where `d_model`
+    is the query width (heads x head dim; grouped-query attention scores every query head),
+    and **half that when `causal`**: a causal mask leaves half the score matrix unneeded,
+    which causal kernels (FlashAttention, SDPA's flash and memory-efficient backends, flex
+    attention's block mask) skip, so it is not counted as work (counting it lets MFU pass
+    100 % on those kernels; torchtitan #4300/#4366). A block-causal (packed documents) mask
+    needs less still; it is counted as causal. The projections are in
+    `dense_flops_per_token`."""
+    for name, value in (("n_layers", n_layers), ("d_model", d_model), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"attention_flops_per_token({name}={value!r}) is invalid: expected an int >= 0")
+    full = 12.0 * n_layers * d_model * seq_len
+    return full / 2 if causal else full
+
+
+def transformer_flops_per_token(models: Iterable[nn.Module], n_layers: int, d_model: int, seq_len: int,
+                                causal: bool = True) -> float:
+    """`dense_flops_per_token` of `models` plus `attention_flops_per_token`: the training
+    FLOPs per token of a decoder (or, ``causal=False``, an encoder) transformer."""
+    return dense_flops_per_token(models) + attention_flops_per_token(n_layers, d_model, seq_len, causal)
 
 
 def check_flops(name: str, value: Any) -> float | None:

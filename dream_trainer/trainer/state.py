@@ -19,7 +19,9 @@ under one key each, the layout every checkpoint of this format holds:
 - ``ranks`` (`RankState`): ``rank<N>``, this rank's RNG states, data position
   (`DataPositionState`) and own callback states (a callback's state may differ per rank; a
   state holding DTensors is restored from the shared copy), under a per-rank key so every
-  rank writes and reads its own.
+  rank writes and reads its own;
+- ``goodput`` (the trainer's `GoodputLedger`): where the wall time went so far, so a
+  resumed run continues it (optional: a checkpoint without it resumes; rank 0's copy).
 
 Checkpoints (`CheckpointCallback`) and fault-tolerant heals (`FaultToleranceCallback`)
 both use ``trainer.state_dict()`` / ``trainer.load_state_dict()``: this registry, as is.
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
 
     from dream_trainer.protocol.collection import CallbackCollection
     from dream_trainer.trainer.data_position import DataPosition
+    from dream_trainer.trainer.goodput import GoodputLedger
     from dream_trainer.world.world import DistributedWorld
 
 logger = logging.getLogger(__name__)
@@ -92,6 +95,9 @@ class StateOwner(Protocol):
 
     @property
     def step_path(self) -> Stateful: ...
+
+    @property
+    def goodput(self) -> GoodputLedger: ...
 
     def named_models(self) -> dict[str, nn.Module]: ...
 
@@ -380,7 +386,7 @@ class RankState:
         self._data.load_state_dict(loads(mine["data"], f"the data position of {self.key}"), rng=mine["rng"])
 
 
-_SAVE_ORDER = ("callbacks", "schedulers", "optimizers", "models", "trainer", "ranks")
+_SAVE_ORDER = ("callbacks", "schedulers", "optimizers", "models", "trainer", "ranks", "goodput")
 """The order the parts' states are taken in: what a restricted load would refuse fails at
 the save, callback state named first."""
 
@@ -393,9 +399,9 @@ class TrainerState:
     ``trainer.state_dict()`` / ``trainer.load_state_dict()``.
 
     Attributes:
-        progress, models, optimizers, schedulers, callbacks, ranks: the parts, under the
-            keys ``trainer``, ``models``, ``optimizers``, ``schedulers``, ``callbacks`` and
-            ``ranks``.
+        progress, models, optimizers, schedulers, callbacks, ranks, goodput: the parts, under
+            the keys ``trainer``, ``models``, ``optimizers``, ``schedulers``, ``callbacks``,
+            ``ranks`` and ``goodput``.
         data: this rank's data position (inside ``ranks``, and the run's under ``trainer``).
     """
 
@@ -407,13 +413,15 @@ class TrainerState:
         self.optimizers = OptimizersState(owner)
         self.schedulers = SchedulersState(owner)
         self.ranks = RankState(owner, self.callbacks, self.data)
+        self.goodput = owner.goodput
         self._owner = owner
 
     @property
     def parts(self) -> dict[str, Stateful]:
         """Each key of `state_dict` and the ``Stateful`` whose state it holds."""
         return {"trainer": self.progress, "models": self.models, "optimizers": self.optimizers,
-                "schedulers": self.schedulers, "callbacks": self.callbacks, "ranks": self.ranks}
+                "schedulers": self.schedulers, "callbacks": self.callbacks, "ranks": self.ranks,
+                "goodput": self.goodput}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue this run exactly: each part's state under its key
@@ -438,6 +446,10 @@ class TrainerState:
         self.callbacks.load_state_dict(state_dict.get("callbacks", {}), own=self.ranks.own_callbacks(ranks),
                                        saved=self.progress.saved_callbacks)
         self.ranks.load_state_dict(ranks)
+        if state_dict.get("goodput"):  # optional: older checkpoints have none
+            self.goodput.load_state_dict(state_dict["goodput"])
+        elif self._owner.resumed:
+            self.goodput.mark_resumed_without_ledger()
 
 
 def _plain(state: Any) -> Any:

@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 
 from dream_trainer.trainer.step_path import OptimizerRoute, StepPath
 from dream_trainer.utils import rng_state, set_rng_state
+from dream_trainer.world.stragglers import StragglerMeter
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -91,6 +92,7 @@ class Stepper:
         self.trainer = trainer
         self.path = StepPath()
         self.loss_weight: float | None = None  # the current micro-batch's (its batch's ``loss_weight``)
+        self.stragglers = StragglerMeter()  # this rank's work per step, compared across ranks at log steps
 
     # ------------------------------------------------------------------ the step API's work
     def backward(self, loss: torch.Tensor, accumulation: int, **kwargs: Any) -> None:
@@ -105,12 +107,14 @@ class Stepper:
             loss = loss * (weight / accumulation)
         elif accumulation > 1:
             loss = loss / accumulation
-        kind = loss.device.type
-        if torch.is_autocast_enabled(kind):  # the forward's autocast stays out of the backward (torch's advice):
-            with torch.autocast(kind, enabled=False):  # under it, eager backward ops re-dispatch through autocast
+        kind, trainer = loss.device.type, self.trainer
+        name = "backward" if trainer.is_accumulating_gradients else "backward: gradient reduction"
+        with trainer.world.collectives.region(name):  # DDP/FSDP reduce gradients in it (a hang is named there)
+            if torch.is_autocast_enabled(kind):  # the forward's autocast stays out of the backward (torch's advice):
+                with torch.autocast(kind, enabled=False):  # under it, eager backward ops re-dispatch through autocast
+                    loss.backward(**kwargs)
+            else:
                 loss.backward(**kwargs)
-        else:
-            loss.backward(**kwargs)
 
     def before_backward(self) -> None:
         """With a callback that ``recovers_errors``: the ranks agree that none failed
@@ -141,15 +145,17 @@ class Stepper:
         the step's telemetry. The pre-clip norm (a device tensor) or None."""
         trainer = self.trainer
         world, path = trainer.world, self.path
-        world.sync_gradients(route.params)
-        clip = trainer.config.training_parameters.gradient_clip_val
-        if clip is not None:
-            norm = path.stats.grad_norm[route.name] = world.clip_grad_norm_(route.params, clip)
-            path.stats.clip_limit[route.name] = clip  # `stats.clipped` compares when read
-            return norm
-        if path.grad_norm_wanted or (trainer.metric_log.gate and trainer.config.logging_parameters.log_grad_norm):
-            norm = path.stats.grad_norm[route.name] = world.total_gradient_norm(route.params)
-            return norm
+        world.collectives.phase = "optimizer step"
+        with world.collectives.region("gradient sync and norm (the optimizer step)"):
+            world.sync_gradients(route.params)
+            clip = trainer.config.training_parameters.gradient_clip_val
+            if clip is not None:
+                norm = path.stats.grad_norm[route.name] = world.clip_grad_norm_(route.params, clip)
+                path.stats.clip_limit[route.name] = clip  # `stats.clipped` compares when read
+                return norm
+            if path.grad_norm_wanted or (trainer.metric_log.gate and trainer.config.logging_parameters.log_grad_norm):
+                norm = path.stats.grad_norm[route.name] = world.total_gradient_norm(route.params)
+                return norm
         return None
 
     def skip_step(self, reason: str) -> None:
@@ -167,9 +173,15 @@ class Stepper:
         """Telemetry of a new micro-batch of optimizer step `step` (before it moves to the
         device): the data wait since the previous batch was done, its samples/tokens; the
         step's `on_step_begin` when the batch opens it."""
-        trainer = self.trainer
-        if self.path.arrive(time.perf_counter(), *trainer.count_batch(batch)):
+        trainer, now = self.trainer, time.perf_counter()
+        trainer.world.collectives.batch_arrived(step, now)
+        if self.path.arrive(now, *trainer.count_batch(batch)):
             trainer.callbacks.on_step_begin(step)
+
+    def compute_starts(self) -> float:
+        """``training_step`` is called (phase ``training_step``; on FSDP, TP, CP or PP the
+        forward's collectives are entered); returns ``time.perf_counter()``."""
+        return self.trainer.world.collectives.compute_starts()
 
     def recoverable(self, batch: Any, batch_idx: int, accumulating: bool,
                     run: Callable[[Any, int, bool], dict[str, Any]]) -> StepResult:
@@ -194,7 +206,7 @@ class Stepper:
         given = cb.pre_train_step(batch, batch_idx)
         if cb.skips_batches and self.skip_batch(ends_step=not accumulating):
             return True, {}, None
-        started = time.perf_counter()
+        started = self.compute_starts()
         try:
             result = self._recoverable_step(given, batch_idx, accumulating, attempt, run)
         finally:
@@ -272,14 +284,21 @@ class Stepper:
                 "skip_step() was called but no trainer.step(optimizer) followed in this step: call it in "
                 "training_step or pre_optimizer_step, before self.step(optimizer)"
             )
-        skipped = path.end(trainer.global_step + 1, time.perf_counter())
+        now, world = time.perf_counter(), trainer.world
+        skipped = path.end(trainer.global_step + 1, now)
+        if not path.timeout_relaxed and not skipped:  # the first step of this fit(): warm-up begins
+            self.stragglers.start()
+        self.stragglers.add(world.collectives.step_work(now), path.stats.data_wait_s)
         if skipped:
             logger.info("optimizer step %d skipped: %s", trainer.global_step + 1, path.stats.skipped)
         else:
             trainer.global_step += 1
             if not path.timeout_relaxed:  # the first step of this fit(), also after a resume
                 path.timeout_relaxed = True
-                trainer.world.relax_timeout()
+                world.relax_timeout()
+        world.collectives.step_ended(trainer.global_step + 1)
+        if not skipped and trainer.global_step % trainer.config.logging_parameters.log_every_n_steps == 0:
+            trainer.metric_log.log(self.stragglers.report(world))  # the trainer's log steps: the same on every rank
         return skipped
 
     # ------------------------------------------------------------------ agreement

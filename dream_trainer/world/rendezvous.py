@@ -6,7 +6,9 @@ without that wait; every rank then signs in under its own key (with its node and
 the wait reads which keys are missing, so the timeout names the rank, node and host.
 
 While the world is up, a daemon thread adds 1 to this rank's counter in the same store every
-`HEARTBEAT_S` seconds, over its own connection (never on the step path). When a collective
+`HEARTBEAT_S` seconds, over its own connection (never on the step path); with it, it
+publishes which collective this rank is in and watches for a peer that never enters the
+one this rank waits in (`dream_trainer.world.watchdog`). When a collective
 fails, `Heartbeat.explain` tells why: a rank that posted its own failure (`post_failure`) is
 named with it; otherwise the counters are read twice, a few beats apart, and the ranks whose
 counter stood still are named (killed, or their node lost). When the store itself is gone,
@@ -33,6 +35,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -248,10 +251,13 @@ def is_communication_error(exc: BaseException) -> bool:
 
 class Heartbeat:
     """This rank's counter in the run's store, moved by a daemon thread; reads the others'
-    to name the ranks a failed collective lost (see the module docstring)."""
+    to name the ranks a failed collective lost (see the module docstring). `tick`, when
+    given, runs in that thread after each beat, with the heartbeat's store (the collective
+    watchdog: `dream_trainer.world.watchdog`)."""
 
-    def __init__(self, cluster: ClusterEnvironment, roster: Roster, prefix: str):
-        self.cluster, self.roster = cluster, roster
+    def __init__(self, cluster: ClusterEnvironment, roster: Roster, prefix: str,
+                 tick: Callable[[dist.Store], None] | None = None):
+        self.cluster, self.roster, self._tick = cluster, roster, tick
         # Its own connection, with a short timeout: a beat never blocks for long on a lost store.
         self._store = dist.PrefixStore(prefix, _store(cluster, timedelta(seconds=10 * HEARTBEAT_S), server=False))
         self._stop = threading.Event()
@@ -268,6 +274,8 @@ class Heartbeat:
                 self._store.add(key, 1)
             except (RuntimeError, OSError):
                 return  # the store is gone: `explain` finds out for itself
+            if self._tick is not None:
+                self._tick(self._store)
             self._stop.wait(HEARTBEAT_S)
 
     def stop(self) -> None:

@@ -24,19 +24,17 @@ from dream_trainer.world.plan import MESH_DIMS, MeshPlan, plan_mesh
 from dream_trainer.world.rendezvous import Heartbeat, is_communication_error, roll_call
 from dream_trainer.world.sockets import shutdown_sockets, socket_inodes
 from dream_trainer.world.transfer import BatchTransfer
+from dream_trainer.world.watchdog import CollectiveTracker, Watchdog, explain_hang, watch
 
 logger = logging.getLogger(__name__)
 
 ReduceOp = Literal["sum", "mean", "max", "min"]
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
-
 _GRAD_PLANS_KEPT = 8
 """Parameter lists whose gradient grouping `DistributedWorld` keeps (one per optimizer)."""
 
-
-_GRAD = operator.attrgetter("grad")
-_NONE = type(None)
+_GRAD, _NONE = operator.attrgetter("grad"), type(None)
 
 
 def _gradient_kind(grad: torch.Tensor) -> tuple[Any, ...]:
@@ -81,6 +79,8 @@ class DistributedWorld:
         self._sockets: set[str] = set()  # socket inodes of this world's process groups
         self._timeout = timedelta(seconds=self.device_parameters.init_timeout_s)
         self._heartbeat: Heartbeat | None = None  # names lost ranks after a failure (`explain_failure`)
+        self._watchdog: Watchdog | None = None  # names a rank that never enters a collective (`watch`)
+        self.collectives = CollectiveTracker(self.plan, (__file__,))  # this rank's collectives, in memory only
         # id(parameter list) -> (its parameters, [(gradient kind, indices)]): see _gradient_groups
         self._grad_plans: dict[int, tuple[tuple[Any, ...], list[tuple[Any, list[int]]]]] = {}
 
@@ -133,7 +133,8 @@ class DistributedWorld:
                 store, roster, prefix = roll_call(self.cluster, timeout)
                 dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size,
                                         timeout=timeout)
-                self._heartbeat = Heartbeat(self.cluster, roster, prefix)
+                self._watchdog = watch(self, roster)
+                self._heartbeat = Heartbeat(self.cluster, roster, prefix, tick=self._watchdog.tick)
             self._owns_process_group = True
         elif dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
             raise RuntimeError(
@@ -183,10 +184,10 @@ class DistributedWorld:
                 group.set_timeout(timeout)
 
     def relax_timeout(self) -> None:
-        """Switch every group of the world from the long init timeout to `timeout_s`
-        (called by the trainer after the first optimizer step of a `fit()`, once
-        compilation and warm-up are done — also after a resume). A barrier first: no rank
-        tightens its timeout while another is still in its first step."""
+        """Switch every group of the world from the long init timeout to `timeout_s` (called
+        by the trainer after the first optimizer step of a `fit()`, once compilation and
+        warm-up are done, also after a resume). A barrier first: no rank tightens its
+        timeout while another is still in its first step."""
         if self._launched and dist.is_initialized():
             self.barrier()  # once per fit(): the only host wait it adds
             self._set_timeout(timedelta(seconds=self.device_parameters.timeout_s))
@@ -209,7 +210,7 @@ class DistributedWorld:
         self._dp = None
         if self._heartbeat is not None:
             self._heartbeat.stop()
-            self._heartbeat = None
+            self._heartbeat, self._watchdog = None, self._watchdog and self._watchdog.uninstall()  # -> None
         if self._owns_process_group and dist.is_initialized():
             try:
                 if abort and "nccl" in self.backend:
@@ -227,9 +228,10 @@ class DistributedWorld:
 
     def explain_failure(self, exc: BaseException) -> None:
         """Called on every rank whose run failed, before teardown. A rank's own error is
-        posted for its peers; a failed collective is explained by naming the ranks that
-        failed or stopped answering (logged, and added as a note to `exc`)."""
-        if self._heartbeat is None or not isinstance(exc, Exception):
+        posted for its peers; a failed collective is explained (logged, and a note on `exc`) by
+        the watchdog's report of a rank that never entered it (`watchdog.explain_hang`), else
+        by naming the ranks that failed or stopped answering."""
+        if explain_hang(self._watchdog, exc) or self._heartbeat is None or not isinstance(exc, Exception):
             return
         if not is_communication_error(exc):
             self._heartbeat.post_failure(exc)
@@ -301,19 +303,19 @@ class DistributedWorld:
     # ------------------------------------------------------------------ collectives
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier()
+            with self.collectives.region("barrier", find_caller=True):
+                dist.barrier()
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean", group: Any = None) -> torch.Tensor:
         """Reduce `tensor` in place over `group` (default: all ranks) and return it."""
         if self.world_size == 1:
             return tensor
-        if op == "mean":
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-            tensor /= dist.get_world_size(group)
-        elif op in _OPS:
-            dist.all_reduce(tensor, op=_OPS[op], group=group)
-        else:
+        if op != "mean" and op not in _OPS:
             raise ValueError(f"op={op!r} is invalid: expected one of 'sum', 'mean', 'max', 'min'")
+        with self.collectives.region("all_reduce", find_caller=True):
+            dist.all_reduce(tensor, op=_OPS.get(op, dist.ReduceOp.SUM), group=group)
+        if op == "mean":
+            tensor /= dist.get_world_size(group)
         return tensor
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -321,14 +323,16 @@ class DistributedWorld:
         if self.world_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src)
+        with self.collectives.region("broadcast_object", find_caller=True):
+            dist.broadcast_object_list(box, src=src)
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        with self.collectives.region("all_gather_object", find_caller=True):
+            dist.all_gather_object(out, obj)
         return out
 
     def global_agreement(self, value: Any) -> bool:
@@ -471,18 +475,16 @@ class DistributedWorld:
 
     # ------------------------------------------------------------------ memory
     def memory_status(self, device: torch.device | str | None = None) -> MemoryStatus:
-        """Memory now, as a `MemoryStatus` (bytes): on CUDA the caching allocator's
-        allocated, reserved and peak bytes of `device` (default: this rank's), on CPU the
-        process's resident set and its peak; the process's resident set in every case.
-        Host-side counters and ``/proc`` only: no device sync, cheap enough for a log step
-        (tens of µs)."""
+        """Memory now, as a `MemoryStatus` (bytes): on CUDA the caching allocator's allocated,
+        reserved and peak bytes of `device` (default: this rank's), on CPU the process's
+        resident set and its peak; the process's resident set in every case. Host-side
+        counters and ``/proc`` only: no device sync, cheap enough for a log step (tens of µs)."""
         return read_memory_status(torch.device(device) if device is not None else self.device)
 
     def reset_peak_memory(self) -> bool:
         """Start the peaks of `memory_status` again from now: the device's (CUDA) and the
-        process's peak resident set (Linux). Returns False when the process's peak could not
-        be reset (no ``/proc/self/clear_refs``): it then stays the peak since the process
-        started."""
+        process's peak resident set (Linux). False when the process's peak could not be reset
+        (no ``/proc/self/clear_refs``: it stays the peak since the process started)."""
         return reset_peak_memory(self.device)
 
     # ------------------------------------------------------------------ contexts
@@ -494,7 +496,5 @@ class DistributedWorld:
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def __repr__(self) -> str:
-        return (
-            f"DistributedWorld(rank={self.rank}/{self.world_size}, device={self.device}, "
-            f"plan={self.plan}, launched={self._launched})"
-        )
+        return (f"DistributedWorld(rank={self.rank}/{self.world_size}, device={self.device}, "
+                f"plan={self.plan}, launched={self._launched})")

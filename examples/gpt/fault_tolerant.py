@@ -21,6 +21,7 @@ By hand, the same is (one terminal each)::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -115,10 +116,21 @@ def _summary(groups: list[ReplicaGroup]) -> dict[str, Any]:
             "quorums": [(e["step"], e["participants"]) for e in events if e["event"] == "quorum"],
             "not_committed": [e["step"] for e in events if e["event"] == "not_committed"],
             "replicas_lost": sum(e["lost"] for e in events if e["event"] == "replica_lost"),
+            "goodput": _goodput(group.dir),
         }
         summary["groups"][g] = info
         print(f"replica group {g}: {info}", flush=True)
     return summary
+
+
+def _goodput(group_dir: Path) -> dict[str, float] | None:
+    """The group's last life's goodput ledger (`goodput.json`): goodput and the parts that took time."""
+    path = Path(group_dir) / "goodput.json"
+    if not path.is_file():
+        return None
+    ledger = json.loads(path.read_text())
+    parts = {kind: round(seconds, 2) for kind, seconds in ledger["parts_s"].items() if seconds >= 0.01}
+    return {"goodput": round(ledger["goodput"] or 0.0, 3), **parts}
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from dream_trainer.context_parallel import sequence_positions
 from dream_trainer.data.documents import block_causal_mask, flex_block_mask
+from dream_trainer.trainer.model_facts import transformer_flops_per_token
 
 ATTENTION = ("sdpa", "flex")
 
@@ -191,6 +192,13 @@ class GPT(nn.Module):
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Total number of (optionally only trainable) parameter elements."""
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token at sequence length `seq_len`: 6 x the parameters outside
+        the embeddings plus causal attention, counted at half (see
+        `dream_trainer.trainer.model_facts.attention_flops_per_token`). Counts the blocks this
+        module holds (a pipeline stage: its own)."""
+        return transformer_flops_per_token([self], len(self.blocks), self.config.d_model, seq_len, causal=True)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

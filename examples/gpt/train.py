@@ -169,6 +169,12 @@ class GPTTrainer(DreamTrainer):
     def configure_models(self) -> None:
         self.model = GPT(self.gpt_config)  # on the meta device: nothing allocated yet
 
+    def estimate_model_flops_per_token(self) -> float | None:
+        """The model's training FLOPs per token with attention at this run's context length
+        (causal: counted at half); the dense 6N estimate for a model without the count."""
+        count = getattr(self.model, "flops_per_token", None)
+        return count(self.config.model.block_size) if count is not None else super().estimate_model_flops_per_token()
+
     # -- parallelism: called by DreamTrainer only when the DeviceParameters ask for it --------
     def apply_tensor_parallel(self, tp_mesh: Any) -> None:
         """Megatron-style: q/k/v and fc1 split by output features, o_proj and fc2 by input
@@ -394,6 +400,7 @@ def main(argv: list[str] | None = None, callbacks: list[Callback[Any]] | None = 
         steps = ", ".join(f"{step}: {loss:.3f}" for step, loss in history.history)
         print(f"validation loss by step: {steps}")
         print(f"logs: {result.run_dir / 'logs'}")
+        print(f"goodput: {result.goodput.line()} (the table: {result.run_dir / 'goodput.json'})")
         if result.status == "preempted":
             print(f"preempted at step {result.global_step}: run again with --run-name {result.run_name} to resume")
     return result

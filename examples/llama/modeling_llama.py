@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from dream_trainer.context_parallel import sequence_positions
 from dream_trainer.data.documents import block_causal_mask
+from dream_trainer.trainer.model_facts import transformer_flops_per_token
 
 
 @dataclass
@@ -196,6 +197,13 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"sequence length {input_ids.shape[1]} exceeds max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
         return self.lm_head(self.model(input_ids, position_ids, document_ids))
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token at sequence length `seq_len`: 6 x the parameters outside
+        the embedding (the tied head counts once) plus causal attention over the query heads,
+        counted at half (`dream_trainer.trainer.model_facts.attention_flops_per_token`)."""
+        width = self.config.num_attention_heads * self.config.head_dim
+        return transformer_flops_per_token([self], len(self.model.layers), width, seq_len, causal=True)
 
     @torch.no_grad()
     def init_weights(self) -> None:

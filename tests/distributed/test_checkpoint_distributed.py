@@ -3,6 +3,7 @@
 (the previous checkpoint stays complete and resumable)."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -160,3 +161,57 @@ def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     assert checkpoint.resumed_from == root / "step_000000003" and trainer.global_step == 24
     assert not (root / ".staging-step_000000006").exists()
     assert list_checkpoints(root)[-1].step == 24
+
+
+def _resume_twice_logged(root):
+    """`_fsdp` resuming (to step 8), with the warnings this rank logged; then, with each
+    rank's own shard of every checkpoint damaged, the error of a second resume."""
+    import logging
+
+    from dream_trainer import CheckpointError
+
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("dream_trainer").addHandler(handler)
+    first = {**_fsdp(root, 8), "warnings": list(warnings)}
+    for path in Path(root).glob("step_*"):  # this rank's own shard: no other rank writes it
+        with open(path / f"__{os.environ['RANK']}_0.distcp", "r+b") as handle:
+            handle.truncate(10)
+    try:
+        _fsdp(root, 9)
+    except CheckpointError as exc:
+        return first, str(exc)
+    return first, None
+
+
+def _flip_middle(file):
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    file.write_bytes(bytes(data))
+
+
+def test_two_ranks_agree_to_skip_a_checkpoint_only_one_rank_found_damaged(tmp_path):
+    """The ranks share the checksums of a resume's verification: a byte flipped in rank 0's
+    shard of the newest checkpoint is seen by rank 1 alone, and both ranks resume from the
+    checkpoint before it. With none intact, both refuse, naming each; neither hangs."""
+    import json
+
+    from dream_trainer.checkpoint_manifest import checksum_share
+
+    spawn_world(2, _fsdp, str(tmp_path), 7)  # checkpoints at steps 4 and 7
+    newest, older = tmp_path / "step_000000007", tmp_path / "step_000000004"
+    files = json.loads((newest / "manifest.json").read_text())["files"]
+    assert [rank for rank in range(2) if "__0_0.distcp" in checksum_share(files, "all", rank, 2, 7)] == [1]
+    _flip_middle(newest / "__0_0.distcp")  # the same size: only its checksum tells
+    (first, refused), (first_1, refused_1) = spawn_world(2, _resume_twice_logged, str(tmp_path))
+    for result in (first, first_1):
+        assert result["resumed_from"] == str(older) and result["step"] == 8
+    damaged = [w for w in first["warnings"] if "is damaged, not resuming from it" in w]
+    assert len(damaged) == 1 and str(newest) in damaged[0]
+    assert "__0_0.distcp: bytes changed: crc32" in damaged[0] and damaged[0].endswith("(found by rank 1)")
+    assert not [w for w in first_1["warnings"] if "damaged" in w]  # said once, by rank 0
+    for error in (refused, refused_1):  # every checkpoint damaged: both ranks refuse
+        assert error is not None and "no intact checkpoint to resume from: all 3 checkpoint(s) are damaged" in error
+        assert f"{newest}: __0_0.distcp: " in error, error
+        assert re.search(rf"{older}: (.*; )?__1_0\.distcp: truncated", error), error

@@ -197,12 +197,16 @@ def test_bad_checkpoints_fail_with_the_path_and_key(caplog):
     data = max((f for f in os.listdir(path) if f.endswith(".distcp")), key=lambda f: os.path.getsize(path / f))
     with open(path / data, "r+b") as handle:
         handle.truncate(os.path.getsize(path / data) // 2)
+    with pytest.raises(CheckpointError, match=rf"cannot load checkpoint {path}: it is damaged: __0_0\.distcp: truncated"):
+        run(resume_mode=str(path))  # found by the verification against the manifest, before loading
     with pytest.raises(CheckpointError, match=rf"cannot load checkpoint {path}"):
-        run(resume_mode=str(path))
+        run(resume_mode=str(path), verify="off")  # found by DCP's load
     # damaged metadata
     (path / ".metadata").write_bytes(b"not a pickle")
-    with pytest.raises(CheckpointError, match=rf"cannot read checkpoint {path}"):
+    with pytest.raises(CheckpointError, match=rf"cannot load checkpoint {path}: it is damaged: \.metadata: truncated"):
         run(resume_mode=str(path))
+    with pytest.raises(CheckpointError, match=rf"cannot read checkpoint {path}"):
+        run(resume_mode=str(path), verify="off")
 
 
 def test_optimizer_state_keyed_by_index_names_what_strict_false_loses(monkeypatch):
@@ -272,6 +276,7 @@ def test_checkpoint_parameters_errors():
         (dict(resume_mode="best"), r"needs a monitor"),
         (dict(resume_mode=""), r"resume_mode='' is invalid"),
         (dict(keep_last=0), r"keep_last=0"),
+        (dict(verify="yes"), r"verify='yes' is invalid: expected 'all', 'sampled' or 'off'"),
     ]:
         with pytest.raises(ValueError, match=match):
             CheckpointParameters(**kwargs)

@@ -14,7 +14,7 @@ STATE = {  # what a bare DreamTrainer holds, and why
     "global_step", "current_epoch", "local_batches", "_last_val_step",  # counters
     "status", "stop_reason", "resumed", "run_name", "seed",  # the run
     "is_accumulating_gradients", "is_last_batch", "validating", "sanity_checking",  # loop flags callbacks read
-    "control", "metric_log", "stepper", "data_position", "model_facts", "build", "state",  # components
+    "control", "metric_log", "stepper", "data_position", "model_facts", "build", "state", "goodput",  # components
     "pipeline_runtime", "context_parallel",  # DreamTrainer's parallelism: pipeline stages, sequence sharding
 }
 
@@ -22,7 +22,7 @@ STATE = {  # what a bare DreamTrainer holds, and why
 def test_a_bare_trainer_holds_counters_flags_config_world_callbacks_and_components(tmp_path):
     trainer = DreamTrainer(TrainerConfig(root_dir=str(tmp_path), device_parameters=DeviceParameters.SINGLE_DEVICE()))
     assert set(vars(trainer)) == STATE
-    assert len(STATE) <= 25
+    assert len(STATE) <= 26
     assert isinstance(trainer.step_path, StepPath) and trainer.step_stats is trainer.step_path.stats
     assert isinstance(trainer.data_position, DataPosition) and isinstance(trainer.model_facts, ModelFacts)
     assert trainer.training_parameters is trainer.config.training_parameters
@@ -35,7 +35,7 @@ def test_the_state_dict_is_the_composition_of_the_components_states(tmp_path):
     trainer.fit()
     trainer.step_path.skipped_steps, trainer.step_path.skipped_batches = 2, 1  # as if vetoes had happened
     state = trainer.state_dict()
-    assert set(state) == {"trainer", "models", "optimizers", "schedulers", "callbacks", "ranks"}
+    assert set(state) == {"trainer", "models", "optimizers", "schedulers", "callbacks", "ranks", "goodput"}
     counters = state["trainer"]
     assert {k: counters[k] for k in trainer.step_path.state_dict()} == trainer.step_path.state_dict()
     assert counters["epoch_complete"] is trainer.data_position.epoch_complete is False  # fit() moved to epoch 1

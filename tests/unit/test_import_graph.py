@@ -94,7 +94,8 @@ def test_the_packages_import_each_other_without_a_cycle():
 
 COMPONENTS = ("dream_trainer.trainer.control", "dream_trainer.trainer.metric_log", "dream_trainer.trainer.build_record",
               "dream_trainer.trainer.telemetry", "dream_trainer.trainer.step_path",
-              "dream_trainer.trainer.data_position", "dream_trainer.trainer.epochs", "dream_trainer.trainer.model_facts")
+              "dream_trainer.trainer.data_position", "dream_trainer.trainer.epochs", "dream_trainer.trainer.model_facts",
+              "dream_trainer.trainer.goodput")
 
 
 def test_the_trainer_components_import_no_trainer():

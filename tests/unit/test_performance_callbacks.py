@@ -269,6 +269,8 @@ def test_compile_monitor_counts_compiles_and_recompiles_per_region(caplog, tmp_p
     assert trainer.build.compile_time_s == pytest.approx({n: r["time_s"] for n, r in summary["regions"].items()})
     report = json.loads((tmp_path / "performance_report.json").read_text())
     assert report["compile_time_s"] == pytest.approx(summary["time_s"]) and summary["time_s"] > 0
+    # ... and the goodput ledger counts it as compile, out of the steps it ran in.
+    assert trainer.goodput.parts()["compile"] == pytest.approx(summary["time_s"])
 
 
 # -------------------------------------------------------------------- PerformanceReportCallback

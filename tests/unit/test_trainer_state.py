@@ -28,6 +28,7 @@ from dream_trainer.trainer.state import (
     SchedulersState,
     TrainerState,
 )
+from dream_trainer.trainer.goodput import GoodputLedger
 from tests.unit.test_checkpoint import Counter, losses, run
 
 
@@ -41,8 +42,8 @@ def test_the_trainer_state_is_a_registry_of_torch_statefuls(tmp_path):
     trainer = _trainer(tmp_path)
     state = trainer.state
     assert isinstance(state, TrainerState) and isinstance(state, Stateful)
-    assert list(state.parts) == ["trainer", "models", "optimizers", "schedulers", "callbacks", "ranks"]
-    kinds = (Progress, ModelsState, OptimizersState, SchedulersState, CallbacksState, RankState)
+    assert list(state.parts) == ["trainer", "models", "optimizers", "schedulers", "callbacks", "ranks", "goodput"]
+    kinds = (Progress, ModelsState, OptimizersState, SchedulersState, CallbacksState, RankState, GoodputLedger)
     assert [type(part) for part in state.parts.values()] == list(kinds)
     assert all(isinstance(part, Stateful) for part in state.parts.values())
     assert isinstance(state.data, Stateful) and isinstance(state.data, DataPositionState)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections import deque
@@ -10,18 +11,16 @@ from typing import Any
 import torch
 
 from dream_trainer.callbacks.monitors._base import Monitor, check_int
+from dream_trainer.callbacks.peak_flops import PeakFlops, device_name, lookup_peak, resolve_peak
 
-# Dense bf16 peaks per GPU (FLOP/s), for MFU when `peak_flops` is not given.
-_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "V100": 125e12}
+logger = logging.getLogger(__name__)
 
-
-def device_peak_flops(device: torch.device) -> float | None:
-    """The dense bf16 peak FLOP/s of a known GPU (H100, H200, A100, L40S, A10, V100) by its
-    name; None for other devices (CPU included): pass ``peak_flops`` to the callbacks."""
+def device_peak_flops(device: torch.device, dtype: str = "bf16") -> float | None:
+    """The dense peak FLOP/s of a known GPU in `dtype` (``dream_trainer.callbacks.peak_flops.PEAK_FLOPS``)
+    by its name; None for other devices (CPU included): pass ``peak_flops`` to the callbacks."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in _PEAK_FLOPS.items() if k in name), None)
+    return lookup_peak(device_name(device), dtype)
 
 
 def model_flops(trainer: Any, samples: float, tokens: float | None, flops_per_token: float | None) -> float | None:
@@ -41,7 +40,9 @@ class ThroughputMonitorCallback(Monitor):
     data-parallel ranks: exact on the trainer's log steps, from ``step_stats.world_*``;
     this rank's rate times the data-parallel size otherwise), ``train/tflops_per_device``
     (achieved model TFLOP/s per rank) when the model's FLOPs are known and ``train/mfu``
-    when the peak is known too (`peak_flops` per device, or a known GPU), and after
+    when the peak is known too (`peak_flops` per device, or a known GPU in the training
+    dtype: float8 with `Fp8QuantizationCallback`; said once at INFO in ``post_setup``, see
+    `dream_trainer.callbacks.peak_flops`), and after
     `warmup_steps`: ``train/progress_pct`` and ``train/eta`` (seconds) when the run's length
     is known (``trainer.total_steps``). The FLOPs: `flops_per_token` per token (``"auto"``:
     the trainer's ``model_flops_per_token``, by default 6 x the parameters outside
@@ -58,7 +59,12 @@ class ThroughputMonitorCallback(Monitor):
         check_int("ThroughputMonitorCallback", "warmup_steps", warmup_steps, 0)
         if not (flops_per_token is None or flops_per_token == "auto" or isinstance(flops_per_token, (int, float))):
             raise ValueError(f"ThroughputMonitorCallback(flops_per_token={flops_per_token!r}): a number, 'auto' or None")
+        if peak_flops is not None and (isinstance(peak_flops, bool) or not isinstance(peak_flops, (int, float))
+                                       or not peak_flops > 0):
+            raise ValueError(f"ThroughputMonitorCallback(peak_flops={peak_flops!r}) is invalid: expected FLOP/s > 0 or None")
         self.window, self.warmup_steps, self.flops_per_token, self.peak_flops = window, warmup_steps, flops_per_token, peak_flops
+        self._given_peak = peak_flops
+        self.peak: PeakFlops | None = None  # resolved in post_setup: the value and its source
         self.times: deque[float] = deque(maxlen=window)
         self._last: tuple[float, int, int | None, bool] | None = None
         self._events: tuple[Any, Any] | None = None
@@ -66,8 +72,9 @@ class ThroughputMonitorCallback(Monitor):
 
     def post_setup(self) -> None:
         self._cuda = self.trainer.world.device.type == "cuda"
-        if self.peak_flops is None:
-            self.peak_flops = device_peak_flops(self.trainer.world.device)
+        self.peak = resolve_peak(self.trainer, self._given_peak)
+        self.peak_flops = self.peak.value
+        logger.info("%s", self.peak.describe())
 
     def pre_train_step(self, batch: Any, batch_idx: int) -> None:
         trainer = self.trainer
