@@ -1,7 +1,9 @@
 """Models wrapped by an adapter library (peft): which weights of such a model are the
 wrapped model's, under which names that model stores them, and which are the adapters'.
 `dream_trainer.checkpoint.load_weights` uses it so that ``--init-from`` a checkpoint of a
-plain model starts a LoRA model from its weights, the adapters keeping their own init."""
+plain model starts a LoRA model from its weights, the adapters keeping their own init.
+`dream_trainer.adapter_export.export_peft` writes a trained peft model's checkpoint the ways
+peft and the wrapped model load it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """A checkpoint's model weights alone: `load_weights` (``--init-from``: fine-tuning, any
 sharding on either side, peft models from a checkpoint of the model they wrap) and
-`export_model` (one model as a safetensors file, in one process with no process group)."""
+`export_model` (one model as a safetensors file, in one process with no process group;
+`read_model_state`: its tensors)."""
 
 from __future__ import annotations
 
@@ -63,36 +64,15 @@ def _trained_names(saved: dict[str, Any]) -> set[str]:
     return names
 
 
-def export_model(
-    checkpoint: str | os.PathLike[str],
-    output: str | os.PathLike[str],
-    model: str = "model",
-    dtype: torch.dtype | None = None,
-    trainable_only: bool = False,
-) -> Path:
-    """Write model `model` of a checkpoint (written by any number of ranks, sharded or not)
-    as one plain ``state_dict`` file in the safetensors format (`output` must end in
-    ``.safetensors``): a format that holds only tensors, so loading it can never run code
-    (a ``torch.save`` pickle could). Runs in one process, without a process group; needs
-    the ``safetensors`` package.
-
-    Load it with ``safetensors.torch.load_file`` and ``model.load_state_dict`` —
-    dream_trainer is not needed. `trainable_only`: only the parameters some optimizer of
-    the checkpoint holds state for, i.e. those that were trained (a LoRA adapter's weights,
-    under their names in the model): ``model.load_state_dict(..., strict=False)`` over the
-    base model.
-    """
+def read_model_state(checkpoint: str | os.PathLike[str], model: str = "model",
+                     trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """Model `model` of a checkpoint (written by any number of ranks, sharded or not) as
+    full CPU tensors by their names in the model, read in one process with no process
+    group (what `export_model` writes; `dream_trainer.adapter_export.export_peft` loads it into
+    a peft model). `trainable_only`: only the parameters some optimizer holds state for."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    path, output = Path(checkpoint), Path(output)
-    if output.suffix != ".safetensors":
-        raise ValueError(f"export_model(output={str(output)!r}): the exported model is written as safetensors only "
-                         "(a pickle can run code when loaded): give a path ending in '.safetensors'")
-    try:
-        from safetensors.torch import save_file
-    except ImportError as exc:
-        raise ImportError("export_model writes .safetensors and needs the safetensors package: pip install "
-                          "safetensors") from exc
+    path = Path(checkpoint)
     saved = _read_metadata(path).state_dict_metadata
     prefix = f"models.{model}."
     template = {
@@ -112,7 +92,40 @@ def export_model(
     with warnings.catch_warnings():  # "loading in a single process": intended here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         _dcp_load(template, path, no_dist=True)
-    state = {key[len(prefix):]: (t.to(dtype) if dtype is not None and t.is_floating_point() else t) for key, t in template.items()}
+    return {key[len(prefix):]: t for key, t in template.items()}
+
+
+def export_model(
+    checkpoint: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    model: str = "model",
+    dtype: torch.dtype | None = None,
+    trainable_only: bool = False,
+) -> Path:
+    """Write model `model` of a checkpoint (written by any number of ranks, sharded or not)
+    as one plain ``state_dict`` file in the safetensors format (`output` must end in
+    ``.safetensors``): a format that holds only tensors, so loading it can never run code
+    (a ``torch.save`` pickle could). Runs in one process, without a process group; needs
+    the ``safetensors`` package.
+
+    Load it with ``safetensors.torch.load_file`` and ``model.load_state_dict`` —
+    dream_trainer is not needed. `trainable_only`: only the parameters some optimizer of
+    the checkpoint holds state for, i.e. those that were trained (a LoRA adapter's weights,
+    under their names in the model): ``model.load_state_dict(..., strict=False)`` over the
+    base model. A peft model's checkpoint as peft loads it (an adapter directory) or merged
+    into the wrapped model: `dream_trainer.adapter_export.export_peft`.
+    """
+    path, output = Path(checkpoint), Path(output)
+    if output.suffix != ".safetensors":
+        raise ValueError(f"export_model(output={str(output)!r}): the exported model is written as safetensors only "
+                         "(a pickle can run code when loaded): give a path ending in '.safetensors'")
+    try:
+        from safetensors.torch import save_file
+    except ImportError as exc:
+        raise ImportError("export_model writes .safetensors and needs the safetensors package: pip install "
+                          "safetensors") from exc
+    state = read_model_state(path, model, trainable_only=trainable_only)
+    state = {key: (t.to(dtype) if dtype is not None and t.is_floating_point() else t) for key, t in state.items()}
     output.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, str(output))
     return output
