@@ -1,4 +1,4 @@
-# make demo   — install (first time) and train the tiny GPT demo (~1 minute on 2 CPU cores)
+# make demo   — install (first time) and train the tiny GPT demo (~1 minute on 2 CPU cores; ARGS="--steps 50": its flags)
 # make test   — install (first time) and run the whole test suite
 # make docs   — build the documentation with mkdocs --strict
 # make bench  — run the benchmarks (tables on stdout, JSON under benchmarks/results/)
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml constraints.txt scripts/install_torch.sh
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/gpt/train.py
+	$(PY) examples/gpt/train.py $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -51,7 +51,7 @@ def test_two_stages_track_one_process_and_resume_exactly(schedule, single, tmp_p
     _, reference = single
     ranks = spawn_world(2, _full_and_resumed, str(tmp_path), schedule, timeout=600)
     full, resumed = ranks[0]["full"], ranks[0]["resumed"]
-    assert full["schedule"] == schedule  # auto's choice: tests/unit/test_pipeline_plan.py, test_pipeline_demo.py
+    assert full["schedule"] == schedule  # auto's choice: tests/unit/test_pipeline_plan.py, test_readme_commands.py
     for rank in ranks[1:]:  # the loss reached every stage
         assert rank["full"]["losses"] == full["losses"]
     # The single-process start: each stage's weights, bitwise, under their names in one process.
