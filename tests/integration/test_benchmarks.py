@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -56,7 +57,7 @@ def _machine(result: dict[str, Any]) -> dict[str, Any] | None:
     return nested[0] if nested else None
 
 
-def _tail(text: str, chars: int = 4000) -> str:
+def _tail(text: str, chars: int = 8000) -> str:
     return text[-chars:] if text else "(nothing)"
 
 
@@ -76,9 +77,25 @@ def smoke_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subp
         work = root / name
         work.mkdir()
         out = work / f"{name}.json"
-        proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--smoke", "--out", str(out)], cwd=work,
-                              env=env, capture_output=True, text=True, timeout=TIMEOUT)
-        return proc, out
+        cmd = [sys.executable, str(BENCHMARKS / f"{name}.py"), "--smoke", "--out", str(out)]
+        proc = subprocess.Popen(cmd, cwd=work, env={**env, "PYTHONFAULTHANDLER": "1"}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:  # this script fails (not every one): with every process's Python stacks
+            os.killpg(proc.pid, signal.SIGABRT)  # faulthandler (PYTHONFAULTHANDLER) dumps them, then each ends
+            try:
+                stdout, stderr = proc.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                stdout, stderr = "", ""
+            stderr = f"{stderr}\n(timed out after {TIMEOUT} s: the stacks above are every process's then, SIGABRT)"
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever of its session is left
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), out
 
     names = [name for name in SCRIPTS if name in EXPECTED]
     with ThreadPoolExecutor(CONCURRENT) as pool:
