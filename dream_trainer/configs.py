@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal, Union
 
 import torch
 
+from dream_trainer.config_checks import check_name, flags, path_field, positive_int, seconds, watchdog_fields
 from dream_trainer.pipeline.plan import PipelineParameters
 
 if TYPE_CHECKING:
@@ -21,69 +22,6 @@ Size = Union[int, Literal["auto", "node"]]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
-
-
-def _positive_int(owner: str, name: str, value: Any, *, allow_none: bool = False, allow_zero: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    lowest = 0 if allow_zero else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
-        allowed = f"an int >= {lowest}" + (" or None" if allow_none else "")
-        raise ValueError(f"{owner}.{name}={value!r} is invalid: expected {allowed}")
-
-
-def _flags(owner: str, obj: Any, *names: str) -> None:
-    """Bool fields must be bools: ``compile_model="no"`` would otherwise turn compiling on."""
-    for name in names:
-        value = getattr(obj, name)
-        if not isinstance(value, bool):
-            raise TypeError(f"{owner}.{name}={value!r} is invalid: expected True or False")
-
-
-def _seconds(owner: str, name: str, value: Any, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{owner}.{name}={value!r} is invalid: expected a finite number > 0" + (" or None" if allow_none else ""))
-
-
-def _watchdog_fields(owner: str, hang_report_s: Any, timeout_s: float, straggler_factor: Any) -> None:
-    """`DeviceParameters.hang_report_s` (None, 0: off, or under `timeout_s`) and `straggler_factor` (None or > 1)."""
-    if hang_report_s is not None and (isinstance(hang_report_s, bool) or not isinstance(hang_report_s, (int, float))
-                                      or not 0 <= hang_report_s < math.inf):
-        raise ValueError(f"{owner}.hang_report_s={hang_report_s!r} is invalid: expected None (the default), 0 (off) "
-                         "or a number of seconds > 0")
-    if hang_report_s:
-        if hang_report_s >= timeout_s:
-            raise ValueError(f"{owner}.hang_report_s={hang_report_s!r} is invalid: expected less than "
-                             f"timeout_s={timeout_s!r} (a hang is reported before the collective times out), "
-                             "None (the default) or 0 (off)")
-    if straggler_factor is not None and (isinstance(straggler_factor, bool) or not isinstance(
-            straggler_factor, (int, float)) or not math.isfinite(straggler_factor) or straggler_factor <= 1):
-        raise ValueError(f"{owner}.straggler_factor={straggler_factor!r} is invalid: expected a number > 1 or None")
-
-
-def check_name(what: str, value: Any) -> str:
-    """`value` if it is a valid directory name (experiment, run): non-empty, no path
-    separator, not ``.``/``..``, no NUL; else ValueError naming `what`. Used for names
-    from the config and for names read back (the environment, files)."""
-    if not isinstance(value, str) or not value or "/" in value or "\\" in value or "\0" in value or value in (".", ".."):
-        raise ValueError(f"{what}={value!r} is invalid: expected a non-empty name without '/', '\\' or NUL, "
-                         "not '.' or '..'")
-    return value
-
-
-def _path(owner: str, name: str, value: Any, *, allow_none: bool = False) -> str | None:
-    """A path field as a ``str``; ``pathlib.Path`` (any ``os.PathLike``) is accepted."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, os.PathLike):
-        value = os.fspath(value)
-    if not isinstance(value, str) or not value:
-        allowed = "a non-empty str or pathlib.Path" + (" or None" if allow_none else "")
-        error = ValueError if isinstance(value, str) else TypeError
-        raise error(f"{owner}.{name}={value!r} is invalid: expected {allowed}")
-    return value
 
 
 @dataclass(kw_only=True)
@@ -136,20 +74,20 @@ class TrainingParameters:
 
     def __post_init__(self) -> None:
         owner = "TrainingParameters"
-        _flags(owner, self, "validate_at_epoch_end")
-        _positive_int(owner, "n_epochs", self.n_epochs, allow_none=True)
-        _positive_int(owner, "max_steps", self.max_steps, allow_none=True)
+        flags(owner, self, "validate_at_epoch_end")
+        positive_int(owner, "n_epochs", self.n_epochs, allow_none=True)
+        positive_int(owner, "max_steps", self.max_steps, allow_none=True)
         if self.n_epochs is None and self.max_steps is None:
             raise ValueError(f"{owner}: n_epochs and max_steps are both None; set at least one")
-        _positive_int(owner, "train_steps_per_epoch", self.train_steps_per_epoch, allow_none=True)
-        _positive_int(owner, "train_steps_per_epoch_hint", self.train_steps_per_epoch_hint, allow_none=True)
-        _positive_int(owner, "val_steps_per_epoch", self.val_steps_per_epoch, allow_none=True)
-        _positive_int(owner, "gradient_accumulation_steps", self.gradient_accumulation_steps)
-        _positive_int(owner, "global_batch_size", self.global_batch_size, allow_none=True)
-        _positive_int(owner, "micro_batch_size", self.micro_batch_size, allow_none=True)
+        positive_int(owner, "train_steps_per_epoch", self.train_steps_per_epoch, allow_none=True)
+        positive_int(owner, "train_steps_per_epoch_hint", self.train_steps_per_epoch_hint, allow_none=True)
+        positive_int(owner, "val_steps_per_epoch", self.val_steps_per_epoch, allow_none=True)
+        positive_int(owner, "gradient_accumulation_steps", self.gradient_accumulation_steps)
+        positive_int(owner, "global_batch_size", self.global_batch_size, allow_none=True)
+        positive_int(owner, "micro_batch_size", self.micro_batch_size, allow_none=True)
         self._check_batch_sizes(owner)
-        _positive_int(owner, "val_every_n_steps", self.val_every_n_steps, allow_none=True)
-        _positive_int(owner, "num_sanity_val_steps", self.num_sanity_val_steps, allow_zero=True)
+        positive_int(owner, "val_every_n_steps", self.val_every_n_steps, allow_none=True)
+        positive_int(owner, "num_sanity_val_steps", self.num_sanity_val_steps, allow_zero=True)
         clip = self.gradient_clip_val
         if clip is not None and (
             isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip <= 0
@@ -196,8 +134,8 @@ class LoggingParameters:
     log_lr: bool = True
 
     def __post_init__(self) -> None:
-        _positive_int("LoggingParameters", "log_every_n_steps", self.log_every_n_steps)
-        _flags("LoggingParameters", self, "log_grad_norm", "log_lr")
+        positive_int("LoggingParameters", "log_every_n_steps", self.log_every_n_steps)
+        flags("LoggingParameters", self, "log_grad_norm", "log_lr")
 
 
 @dataclass(kw_only=True)
@@ -276,7 +214,7 @@ class DeviceParameters:
         if self.weight_init not in ("full", "sharded"):
             raise ValueError(f"{owner}.weight_init={self.weight_init!r} is invalid: expected 'full' or 'sharded'")
         autos = []
-        _positive_int(owner, "pipeline_parallel", self.pipeline_parallel)
+        positive_int(owner, "pipeline_parallel", self.pipeline_parallel)
         if not isinstance(self.pipeline, PipelineParameters):
             raise TypeError(f"{owner}.pipeline must be a PipelineParameters, got {type(self.pipeline).__name__}")
         for name in ("dp_replicate", "dp_shard", "context_parallel", "tensor_parallel"):
@@ -286,7 +224,7 @@ class DeviceParameters:
             elif value == "node" and name == "dp_shard":
                 continue
             else:
-                _positive_int(owner, name, value)
+                positive_int(owner, name, value)
         if len(autos) > 1:
             raise ValueError(f"{owner}: only one mesh size may be 'auto', got {autos}")
         for name in ("param_dtype", "reduce_dtype", "autocast_dtype"):
@@ -294,13 +232,9 @@ class DeviceParameters:
             if value is not None and value not in _DTYPES:
                 raise ValueError(f"{owner}.{name}={value!r} is invalid: expected None or one of {_DTYPES}")
         for name in ("init_timeout_s", "timeout_s"):
-            _seconds(owner, name, getattr(self, name))
-        _watchdog_fields(owner, self.hang_report_s, self.timeout_s, self.straggler_factor)
-        if self.hang_abort_s is not None and (isinstance(self.hang_abort_s, bool) or not isinstance(
-                self.hang_abort_s, (int, float)) or not 0 < self.hang_abort_s < self.timeout_s):
-            raise ValueError(f"{owner}.hang_abort_s={self.hang_abort_s!r} is invalid: expected None (the default: "
-                             f"just before the collective timeout) or seconds > 0 and under timeout_s={self.timeout_s!r}")
-        _flags(owner, self, "compile_model", "checkpoint_activations", "cpu_offload", "fused_optimizers")
+            seconds(owner, name, getattr(self, name))
+        watchdog_fields(owner, self.hang_report_s, self.hang_abort_s, self.timeout_s, self.straggler_factor)
+        flags(owner, self, "compile_model", "checkpoint_activations", "cpu_offload", "fused_optimizers")
 
     @classmethod
     def SINGLE_DEVICE(cls, **kwargs: Any) -> DeviceParameters:
@@ -378,14 +312,14 @@ class CheckpointParameters:
 
     def __post_init__(self) -> None:
         owner = "CheckpointParameters"
-        _flags(owner, self, "at_fit_end", "strict", "allow_fresh_restart")
-        self.root_dir = _path(owner, "root_dir", self.root_dir, allow_none=True)
+        flags(owner, self, "at_fit_end", "strict", "allow_fresh_restart")
+        self.root_dir = path_field(owner, "root_dir", self.root_dir, allow_none=True)
         if self.resume_mode is not None:
-            self.resume_mode = _path(owner, "resume_mode", self.resume_mode)
-        _positive_int(owner, "every_n_steps", self.every_n_steps, allow_none=True)
-        _positive_int(owner, "every_n_epochs", self.every_n_epochs, allow_none=True)
-        _positive_int(owner, "keep_last", self.keep_last, allow_none=True)
-        _positive_int(owner, "keep_best", self.keep_best)
+            self.resume_mode = path_field(owner, "resume_mode", self.resume_mode)
+        positive_int(owner, "every_n_steps", self.every_n_steps, allow_none=True)
+        positive_int(owner, "every_n_epochs", self.every_n_epochs, allow_none=True)
+        positive_int(owner, "keep_last", self.keep_last, allow_none=True)
+        positive_int(owner, "keep_best", self.keep_best)
         if self.mode not in ("min", "max"):
             raise ValueError(f"{owner}.mode={self.mode!r} is invalid: expected 'min' or 'max'")
         if self.async_mode not in ("off", "async", "async_pinned"):
@@ -457,20 +391,20 @@ class FaultToleranceParameters:
 
     def __post_init__(self) -> None:
         owner = "FaultToleranceParameters"
-        _flags(owner, self, "init_sync")
+        flags(owner, self, "init_sync")
         if self.lighthouse is not None and not _LIGHTHOUSE_RE.match(str(self.lighthouse)):
             raise ValueError(
                 f"{owner}.lighthouse={self.lighthouse!r} is invalid: expected 'http://host:port' "
                 "(e.g. 'http://127.0.0.1:29510') or None (TORCHFT_LIGHTHOUSE)"
             )
-        _positive_int(owner, "replica_group_id", self.replica_group_id, allow_none=True, allow_zero=True)
-        _positive_int(owner, "min_replica_size", self.min_replica_size)
-        _positive_int(owner, "start_groups", self.start_groups)
-        _positive_int(owner, "checkpoint_interval", self.checkpoint_interval, allow_none=True)
-        _positive_int(owner, "max_failures", self.max_failures, allow_none=True, allow_zero=True)
+        positive_int(owner, "replica_group_id", self.replica_group_id, allow_none=True, allow_zero=True)
+        positive_int(owner, "min_replica_size", self.min_replica_size)
+        positive_int(owner, "start_groups", self.start_groups)
+        positive_int(owner, "checkpoint_interval", self.checkpoint_interval, allow_none=True)
+        positive_int(owner, "max_failures", self.max_failures, allow_none=True, allow_zero=True)
         for name in ("heartbeat_interval", "lighthouse_heartbeat_timeout_s", "timeout_s", "quorum_timeout_s",
                      "connect_timeout_s"):
-            _seconds(owner, name, getattr(self, name))
+            seconds(owner, name, getattr(self, name))
         if self.hostname is not None and (not isinstance(self.hostname, str) or not self.hostname.strip()):
             raise ValueError(f"{owner}.hostname={self.hostname!r} is invalid: expected a host name or address, or None")
 
@@ -507,7 +441,7 @@ class TrainerConfig:
             if value is None and name == "run_name":
                 continue
             check_name(f"TrainerConfig.{name}", value)
-        self.root_dir = _path("TrainerConfig", "root_dir", self.root_dir)  # type: ignore[assignment]
+        self.root_dir = path_field("TrainerConfig", "root_dir", self.root_dir)  # type: ignore[assignment]
         seed = self.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
             raise ValueError(f"TrainerConfig.seed={seed!r} is invalid: expected an int in [0, 2**32) or None")
