@@ -183,7 +183,8 @@ def run_rank(layout: str, schedule: str | None, microbatches: int | None, opts: 
         first, last = timer.counts
         out.update({f"{name}_s": b - a for name, a, b in zip((*clock.seconds, "actions"), first, last)})
         choice = trainer.pipeline.choice
-        out.update(actions=int(out.pop("actions_s")), chosen=choice.schedule, microbatches=choice.microbatches)
+        out.update(actions=int(out.pop("actions_s")), chosen=choice.schedule, microbatches=choice.microbatches,
+                   estimated_ms=choice.estimates[0] * 1e3 if choice.estimates else None)
     return out
 
 
@@ -233,6 +234,7 @@ def summarize(ranks: list[dict[str, Any]], schedule: str | None, microbatches: i
         run["not_compute"] = 1 - run["compute"]
         run["actions_per_step"] = [r["actions"] / opts["steps"] for r in ranks]
         run["schedule_ms_per_step"] = statistics.mean(r["schedule_s"] for r in ranks) / opts["steps"] * 1e3
+        run["estimated_ms"] = ranks[0]["estimated_ms"]  # the cost model's step (dream_trainer.pipeline.cost)
         assert ranks[0]["chosen"] == schedule and ranks[0]["microbatches"] == microbatches
     return run
 
@@ -286,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{tokens_per_step} tokens/step; 2 ranks x 1 thread; {args.warmup} warm-up + {args.steps} timed steps, "
           f"{args.repeats} round(s); torch {torch.__version__}\n")
     head = (f"{'layout':<28}{'stages':>7}{'compute':>9}{'transfer':>10}{'idle':>7}{'expected':>10}{'tokens/s':>10}"
-            f"{'vs ddp':>8}{'ms/step':>9}")
+            f"{'vs ddp':>8}{'ms/step':>9}{'est. ms':>9}")
     print(head)
     print("-" * len(head))
     result: dict[str, Any] = {"rows": {}}
@@ -296,14 +298,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         row: dict[str, Any] = {"layout": layout, "schedule": schedule, "microbatches": m, "tokens_per_s_median": tps,
                                "vs_ddp": tps / ddp, "ms_per_step_median": ms, "runs": runs[name]}
         if schedule is None:
-            print(f"{name:<28}{'-':>7}{'-':>9}{'-':>10}{'-':>7}{'-':>10}{tps:>10,.0f}{1.0:>8.2f}{ms:>9.1f}")
+            print(f"{name:<28}{'-':>7}{'-':>9}{'-':>10}{'-':>7}{'-':>10}{tps:>10,.0f}{1.0:>8.2f}{ms:>9.1f}{'-':>9}")
         else:
             v = SCHEDULES[schedule]
             for part in ("compute", "transfer", "idle", "recv_wait"):
                 row[f"{part}_median"] = statistics.median(x[part] for x in runs[name])
             row["expected_bubble"] = expected_bubble(schedule, pp=2, stages_per_rank=v, microbatches=m)
+            row["estimated_ms"] = runs[name][0]["estimated_ms"]
+            est = f"{row['estimated_ms']:>9.1f}" if row["estimated_ms"] is not None else f"{'-':>9}"
             print(f"{name:<28}{f'2x{v}':>7}{row['compute_median']:>9.1%}{row['transfer_median']:>10.1%}"
-                  f"{row['idle_median']:>7.1%}{row['expected_bubble']:>10.1%}{tps:>10,.0f}{tps / ddp:>8.2f}{ms:>9.1f}")
+                  f"{row['idle_median']:>7.1%}{row['expected_bubble']:>10.1%}{tps:>10,.0f}{tps / ddp:>8.2f}{ms:>9.1f}"
+                  f"{est}")
         result["rows"][name] = row
     print("""
   compute / transfer / idle: fractions of each rank's schedule time (median over rounds, mean of
@@ -311,7 +316,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   the rest: waiting for receives (the other stage's activations or gradients) and the
   schedule's own bookkeeping. expected = the schedule's analytic bubble (forward =
   input-backward = weight-backward, free communication), to compare with idle; vs ddp =
-  tokens/s over DDP's on the same 2 ranks with the same global batch.""")
+  tokens/s over DDP's on the same 2 ranks with the same global batch; est. ms = the
+  automatic choice's cost model (dream_trainer.pipeline.cost), to compare with ms/step.""")
     result.update(settings=vars(args), tokens_per_step=tokens_per_step, wall_s=wall, machine=machine())
     write_json(result, args.out)
     print(f"({wall:.0f} s)")

@@ -12,8 +12,10 @@ from dream_trainer.pipeline.plan import (
     split_layers,
     stage_ids,
 )
-from dream_trainer.pipeline.runtime import PipelineRuntime, check_untied
+from dream_trainer.pipeline.cost import DeviceCost, Estimate, ModelCost, cpu_gloo, cuda_nccl, estimate
+from dream_trainer.pipeline.runtime import CostInputs, PipelineRuntime, check_untied
 from dream_trainer.pipeline.stages import Pipeline, PipelineLayout, StageLayers, cut
 
-__all__ = ["SCHEDULES", "Pipeline", "PipelineChoice", "PipelineLayout", "PipelineParameters", "PipelineRuntime",
-           "StageLayers", "check_untied", "choose_schedule", "cut", "expected_bubble", "split_layers", "stage_ids"]
+__all__ = ["SCHEDULES", "CostInputs", "DeviceCost", "Estimate", "ModelCost", "Pipeline", "PipelineChoice",
+           "PipelineLayout", "PipelineParameters", "PipelineRuntime", "StageLayers", "check_untied", "choose_schedule",
+           "cpu_gloo", "cuda_nccl", "cut", "estimate", "expected_bubble", "split_layers", "stage_ids"]

@@ -5,7 +5,10 @@ plan (and every bad one) is testable in one process."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import TYPE_CHECKING, Union
+
+if TYPE_CHECKING:
+    from dream_trainer.pipeline.cost import DeviceCost, ModelCost
 
 SINGLE = ("1F1B", "GPipe")  # on a tie, 1F1B: fewer micro-batches in flight
 """Schedules with one stage per rank."""
@@ -22,8 +25,9 @@ class PipelineParameters:
     """How a pipeline-parallel model (``DeviceParameters.pipeline_parallel > 1``) runs.
 
     Attributes:
-        schedule: ``"auto"`` (the smallest expected bubble for the stages and micro-batches,
-            said in the log), or one of ``1F1B``, ``GPipe``, ``Interleaved1F1B``,
+        schedule: ``"auto"`` (the fastest by the cost model, `dream_trainer.pipeline.cost`,
+            which counts compute, the bubble, transfers and memory; said in the log at
+            WARNING, with why), or one of ``1F1B``, ``GPipe``, ``Interleaved1F1B``,
             ``InterleavedZeroBubble`` (``torch.distributed.pipelining``).
         microbatches: pipeline micro-batches each batch of a rank is cut into (it must
             divide the batch). None: 2 x pipeline_parallel.
@@ -34,18 +38,22 @@ class PipelineParameters:
             first stages taking one more when they do not divide), ``"parameters"`` (balanced
             parameter counts), or the number of layers of each stage, in order (a tuple
             summing to the layer count).
+        sample_tokens: tokens (positions) in each sample, for the cost model: what crosses
+            a stage boundary is a micro-batch's tokens x the hidden size. None: unknown, and
+            ``"auto"`` falls back to the smallest expected bubble (and says so).
     """
 
     schedule: str = "auto"
     microbatches: int | None = None
     stages_per_rank: int | None = None
     split: Split = "layers"
+    sample_tokens: int | None = None
 
     def __post_init__(self) -> None:
         owner = "PipelineParameters"
         if self.schedule not in ("auto", *SCHEDULES):
             raise ValueError(f"{owner}.schedule={self.schedule!r} is invalid: expected 'auto' or one of {SCHEDULES}")
-        for name in ("microbatches", "stages_per_rank"):
+        for name in ("microbatches", "stages_per_rank", "sample_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{owner}.{name}={value!r} is invalid: expected an int >= 1 or None")
@@ -63,7 +71,8 @@ class PipelineParameters:
 class PipelineChoice:
     """The schedule a run uses: its name, stages per rank, micro-batches and expected
     bubble (the idle fraction of a rank's step time, from `expected_bubble`), why it was
-    chosen and the other candidates ``(name, stages per rank, expected bubble)``."""
+    chosen and the other candidates ``(name, stages per rank, expected bubble)``, with their
+    estimated step seconds by the cost model when it ran (`estimates`, in the same order)."""
 
     schedule: str
     stages_per_rank: int
@@ -71,13 +80,20 @@ class PipelineChoice:
     bubble: float
     candidates: tuple[tuple[str, int, float], ...] = ()
     why: str = ""
+    estimates: tuple[float, ...] = ()
 
     def describe(self, pp: int) -> str:
         """One line: ``pipeline: schedule X, ... (why; alternatives: ...)``."""
-        others = ", ".join(f"{name} x{v}: {b:.1%}" for name, v, b in self.candidates
-                           if (name, v) != (self.schedule, self.stages_per_rank))
+        mine = (self.schedule, self.stages_per_rank)
+        if self.estimates:
+            others = ", ".join(f"{name} x{v}: ~{t * 1e3:.3g} ms" for (name, v, _), t
+                               in zip(self.candidates, self.estimates, strict=True) if (name, v) != mine)
+            label = "estimated step"
+        else:
+            others = ", ".join(f"{name} x{v}: {b:.1%}" for name, v, b in self.candidates if (name, v) != mine)
+            label = "expected bubble"
         reasons = "; ".join(filter(None, (self.why or f"expected bubble {self.bubble:.1%}",
-                                          f"alternatives (expected bubble): {others}" if others else "")))
+                                          f"alternatives ({label}): {others}" if others else "")))
         return (f"pipeline: schedule {self.schedule}, {pp} ranks x {self.stages_per_rank} stage(s), "
                 f"{self.microbatches} micro-batches ({reasons})")
 
@@ -130,11 +146,14 @@ def check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: i
 
 
 def choose_schedule(params: PipelineParameters, pp: int, batch: int, n_layers: int,
-                    sharded_stages: bool = False, gloo: bool = False) -> PipelineChoice:
+                    sharded_stages: bool = False, gloo: bool = False,
+                    cost: tuple[ModelCost, DeviceCost] | None = None) -> PipelineChoice:
     """The schedule for `params` on `pp` ranks, for batches of `batch` samples per rank and
     `n_layers` layers, FSDP2 inside the stages or not, the stages talking over gloo (CPU)
-    or not: the one asked for (checked), or with ``"auto"`` the candidate with the smallest
-    expected bubble (ties: fewer stages per rank, then the order of `SCHEDULES`), less
+    or not: the one asked for (checked), or with ``"auto"`` the candidate with the shortest
+    step by the cost model (`cost`: the model's and the device's, `dream_trainer.pipeline.cost`)
+    among those that fit the device's memory (ties: less activation memory, fewer stages per
+    rank, the order of `SCHEDULES`). Without `cost`: the smallest expected bubble, less
     `GLOO_LEFT_OUT` over gloo, where it measured slowest (it stays a fallback).
 
     Raises:
@@ -160,6 +179,8 @@ def choose_schedule(params: PipelineParameters, pp: int, batch: int, n_layers: i
         fits = [d for d in range(pp, batch + 1) if batch % d == 0]
         raise ValueError(f"no pipeline schedule fits {pp} ranks, {m} micro-batches and {n_layers} layers: "
                          f"{'; '.join(refusals)}. Micro-batch counts that divide the batch of {batch}: {fits}")
+    if cost is not None:
+        return _by_cost(params, pp, m, batch, candidates, refusals, cost)
     preferred = [c for c in candidates if not (gloo and c[0] in GLOO_LEFT_OUT)] or candidates
     best = min(preferred, key=lambda c: (round(c[2], 9), c[1], SCHEDULES.index(c[0])))
     if not auto:
@@ -169,7 +190,32 @@ def choose_schedule(params: PipelineParameters, pp: int, batch: int, n_layers: i
         left = sorted({c[0] for c in candidates} - {c[0] for c in preferred})
         if left:
             why += f", {', '.join(left)} left out over gloo (CPU): measured slowest there"
+        why += " (no cost model: set PipelineParameters.sample_tokens)"
     return PipelineChoice(best[0], best[1], m, best[2], tuple(candidates), why)
+
+
+def _by_cost(params: PipelineParameters, pp: int, m: int, batch: int, candidates: list[tuple[str, int, float]],
+             refusals: list[str], cost: tuple[ModelCost, DeviceCost]) -> PipelineChoice:
+    """`choose_schedule` with the cost model: every candidate estimated; those that do not fit
+    the device's memory refused (all of them: the error names each and its need)."""
+    from dream_trainer.pipeline.cost import estimate, fits
+
+    model, device = cost
+    estimates = [estimate(name, pp, v, m, batch, model, device) for name, v, _ in candidates]
+    fitting = [(c, e) for c, e in zip(candidates, estimates, strict=True) if fits(e, pp, model, device) is None]
+    if not fitting:
+        why = "; ".join(f"{c[0]} x{c[1]} {fits(e, pp, model, device)}" for c, e in zip(candidates, estimates, strict=True))
+        others = f" (other refusals: {'; '.join(refusals)})" if refusals else ""
+        raise ValueError(f"no pipeline schedule fits the device's memory with {m} micro-batches: {why}{others}; "
+                         "use more pipeline ranks or micro-batches")
+    (name, v, bubble), best = min(fitting, key=lambda ce: (round(ce[1].step_s, 9), ce[1].peak_bytes, ce[0][1],
+                                                          SCHEDULES.index(ce[0][0])))
+    lead = "asked for" if params.schedule != "auto" else "auto: the fastest by the cost model"
+    why = f"{lead} ({device.name}), {best.describe()}"
+    left = [f"{c[0]} x{c[1]}" for c, e in zip(candidates, estimates, strict=True) if fits(e, pp, model, device)]
+    if left:
+        why += f"; {', '.join(left)} left out: over the device's memory"
+    return PipelineChoice(name, v, m, bubble, tuple(candidates), why, tuple(e.step_s for e in estimates))
 
 
 def stage_ids(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:

@@ -17,18 +17,59 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dream_trainer.pipeline.cost import DeviceCost, ModelCost, cpu_gloo, cuda_nccl, model_cost
 from dream_trainer.pipeline.plan import PipelineChoice, PipelineParameters, choose_schedule, split_layers, stage_ids
 from dream_trainer.pipeline.stages import Pipeline, PipelineLayout, cut, layer_list
 
 logger = logging.getLogger(__name__)
 
+
+@dataclass(frozen=True)
+class CostInputs:
+    """What a trainer knows for the schedule's cost model (`dream_trainer.pipeline.cost`):
+    training FLOPs per token (x ``PipelineParameters.sample_tokens``) or per sample (None:
+    unknown), activation element bytes (2 under bf16), the device, its dense peak FLOP/s
+    (None: unknown), and the ways the model state is sharded besides the pipeline (FSDP2's
+    ``dp_shard``)."""
+
+    flops_per_token: float | None
+    flops_per_sample: float | None
+    element_bytes: int
+    device: torch.device
+    peak_flops: float | None = None
+    state_shards: int = 1
+
+    def resolve(self, layers: list[nn.Module], whole: nn.Module, sample_tokens: int | None,
+                gloo: bool) -> tuple[ModelCost, DeviceCost] | None:
+        per_sample = self.flops_per_sample
+        if per_sample is None and self.flops_per_token and sample_tokens:
+            per_sample = self.flops_per_token * sample_tokens
+        model = model_cost(layers, whole, per_sample, sample_tokens, self.element_bytes, self.state_shards)
+        if model is None:
+            return None
+        return model, (cpu_gloo() if gloo or self.device.type != "cuda" else cuda_nccl(self.device, self.peak_flops))
+
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def agree_on_choice(choice: PipelineChoice, gather: Callable[[Any], list[Any]]) -> None:
+    """Every rank must cut the model alike: gather each rank's (schedule, stages per rank,
+    micro-batches) and raise on every rank, naming each, when they differ (a cost model fed
+    different numbers on one rank, e.g. another thread count)."""
+    mine = (choice.schedule, choice.stages_per_rank, choice.microbatches)
+    chosen = [tuple(c) for c in gather(mine)]
+    if len(set(chosen)) > 1:
+        each = "; ".join(f"rank {r}: {s} x{v}, {m} micro-batches" for r, (s, v, m) in enumerate(chosen))
+        raise RuntimeError(f"the ranks chose different pipeline schedules ({each}): set "
+                           "PipelineParameters.schedule and stages_per_rank explicitly, or give every rank the same "
+                           "threads and device")
 
 
 class PipelineRuntime:
@@ -58,21 +99,28 @@ class PipelineRuntime:
         self.pipeline: Pipeline | None = None
 
     def plan(self, holder: object, layout: PipelineLayout, params: PipelineParameters, *, pp: int, pp_rank: int,
-             batch: Callable[[], int], sharded: bool = False, gloo: bool | None = None) -> None:
+             batch: Callable[[], int], sharded: bool = False, gloo: bool | None = None,
+             costs: CostInputs | None = None,
+             gather: Callable[[Any], list[Any]] | None = None) -> None:
         """Choose the schedule and cut the meta-device model (``holder.<layout.model>``)
         into this rank's part, which replaces it on `holder` (before anything is allocated:
         a bad split or micro-batch count fails here). `batch` gives the samples in each
         batch a rank trains on (asked once the model is checked); `sharded`: FSDP2 inside
         the stages (``dp_shard > 1``); `gloo`: the stages talk over gloo (None: the default
-        process group's backend says). The choice and why are logged once, on rank 0, at
-        WARNING: what a run's user sees."""
+        process group's backend says); `costs`: what the automatic choice's cost model needs
+        (`CostInputs`; None: it falls back to the expected bubble); `gather`: the world's
+        ``all_gather_object``, to check that every rank chose alike (`agree_on_choice`). The
+        choice and why are logged once, on rank 0, at WARNING: what a run's user sees."""
         whole = getattr(holder, layout.model, None)
         if not isinstance(whole, nn.Module):
             raise AttributeError(f"pipeline_layout.model={layout.model!r}: the trainer has no such model")
         layers = layer_list(whole, layout)
         check_untied(whole, layout)
         gloo = _over_gloo() if gloo is None else gloo
-        choice = choose_schedule(params, pp, batch(), len(layers), sharded, gloo)
+        cost = costs.resolve(layers, whole, params.sample_tokens, gloo) if costs is not None else None
+        choice = choose_schedule(params, pp, batch(), len(layers), sharded, gloo, cost)
+        if gather is not None:
+            agree_on_choice(choice, gather)
         if _rank() == 0:
             logger.warning(choice.describe(pp))
         n_stages = pp * choice.stages_per_rank

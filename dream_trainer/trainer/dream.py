@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dream_trainer.context_parallel import ContextParallel
 from dream_trainer.pipeline import Pipeline, PipelineLayout, PipelineRuntime
-from dream_trainer.pipeline.runtime import LossFn
+from dream_trainer.pipeline.runtime import CostInputs, LossFn
 from dream_trainer.trainer.base import BaseTrainer, _must_override
 from dream_trainer.trainer.build_record import BuildRecord, CompiledModule
 from dream_trainer.trainer.weights import full_size_parameters, shared_parameters, tie
@@ -309,7 +309,16 @@ class DreamTrainer(BaseTrainer):
                 "pipeline_layout = PipelineLayout(layers='blocks', first=(...), last=(...)) on the trainer class")
         self.pipeline_runtime.plan(self, layout, world.device_parameters.pipeline, pp=pp,
                                    pp_rank=world.get_mesh("pp").get_local_rank(), batch=self._pipeline_batch,
-                                   sharded=world.plan.dp_shard > 1)
+                                   sharded=world.plan.dp_shard > 1, costs=self._pipeline_costs(),
+                                   gather=world.all_gather_object)
+
+    def _pipeline_costs(self) -> CostInputs:
+        """What the automatic schedule's cost model knows of this trainer (`CostInputs`)."""
+        from dream_trainer.callbacks.peak_flops import device_name, lookup_peak, training_dtype
+
+        dtype, device = training_dtype(self), self.world.device
+        return CostInputs(self.model_flops_per_token, self.model_flops_per_sample, 4 if dtype in ("fp32", "tf32") else 2,
+                          device, lookup_peak(device_name(device), dtype), self.world.plan.dp_shard)
 
     def _pipeline_batch(self) -> int:
         """Samples in each batch a rank trains on (what the micro-batches must divide)."""

@@ -165,6 +165,9 @@ class GPTTrainer(DreamTrainer):
         shape = config.model
         self.gpt_config = GPTConfig(vocab_size=self.tokenizer.vocab_size, block_size=shape.block_size,
                                     n_layer=shape.n_layer, n_head=shape.n_head, d_model=shape.d_model)
+        pipeline = config.device_parameters.pipeline  # --parallel pp: the schedule's cost model needs the sample size
+        if pipeline.sample_tokens is None:
+            pipeline.sample_tokens = shape.block_size
 
     def configure_models(self) -> None:
         self.model = GPT(self.gpt_config)  # on the meta device: nothing allocated yet

@@ -35,4 +35,5 @@ def test_pipeline_benchmark_smoke_splits_compute_transfer_and_idle(tmp_path):
         v = 2 if row["schedule"].startswith("Interleaved") else 1
         assert row["expected_bubble"] == expected_bubble(row["schedule"], pp=2, stages_per_rank=v,
                                                          microbatches=row["microbatches"])
-    assert "transfer" in proc.stdout and "idle" in proc.stdout
+        assert row["estimated_ms"] > 0, (name, row)  # the cost model ran (the demo gives it the sample size)
+    assert "transfer" in proc.stdout and "idle" in proc.stdout and "est. ms" in proc.stdout
