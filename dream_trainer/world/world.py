@@ -22,6 +22,7 @@ from dream_trainer.configs import DeviceParameters
 from dream_trainer.world.memory import MemoryStatus, read_memory_status, reset_peak_memory
 from dream_trainer.world.plan import MESH_DIMS, MeshPlan, plan_mesh
 from dream_trainer.world.rendezvous import Heartbeat, is_communication_error, roll_call
+from dream_trainer.world.settle import install_exit_settle
 from dream_trainer.world.sockets import shutdown_sockets, socket_inodes
 from dream_trainer.world.transfer import BatchTransfer
 from dream_trainer.world.watchdog import CollectiveTracker, Watchdog, explain_hang, watch
@@ -136,6 +137,7 @@ class DistributedWorld:
                 self._watchdog = watch(self, roster)
                 self._heartbeat = Heartbeat(self.cluster, roster, prefix, tick=self._watchdog.tick)
             self._owns_process_group = True
+            install_exit_settle()  # gloo's workers release their last work before the interpreter ends (settle.py)
         elif dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
             raise RuntimeError(
                 f"an existing process group has rank {dist.get_rank()}/{dist.get_world_size()} but the "
