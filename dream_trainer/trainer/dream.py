@@ -314,7 +314,7 @@ class DreamTrainer(BaseTrainer):
 
     def _pipeline_costs(self) -> CostInputs:
         """What the automatic schedule's cost model knows of this trainer (`CostInputs`)."""
-        from dream_trainer.callbacks.peak_flops import device_name, lookup_peak, training_dtype
+        from dream_trainer.world.peaks import device_name, lookup_peak, training_dtype
 
         dtype, device = training_dtype(self), self.world.device
         return CostInputs(self.model_flops_per_token, self.model_flops_per_sample, 4 if dtype in ("fp32", "tf32") else 2,
