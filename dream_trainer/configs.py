@@ -120,7 +120,8 @@ class LoggingParameters:
 
     Attributes:
         log_every_n_steps: metrics are read from the device and sent to `on_log` every N
-            optimizer steps (and at the end of each validation). Values logged on other
+            optimizer steps, at the step that reaches ``max_steps`` (a run shorter than N
+            steps logs its last one) and at the end of each validation. Values logged on other
             steps are dropped without a host-device sync.
         log_grad_norm: also compute and log ``train/grad_norm`` on log steps when not
             clipping (a norm over every gradient: ~1% of the step time of a small model at

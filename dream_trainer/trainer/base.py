@@ -374,8 +374,8 @@ class BaseTrainer(AbstractTrainer):
         accumulating = not is_last and (batch_idx + 1) % self.gradient_accumulation_steps != 0
         self.is_accumulating_gradients = accumulating
         self.is_last_batch = is_last or (not accumulating and max_steps is not None and step >= max_steps)
-        log_kind = self.metric_log.step_kind(step, self.config.logging_parameters.log_every_n_steps,
-                                             self.callbacks.log_intervals)
+        log_kind = 2 if self.is_last_batch and max_steps is not None and step >= max_steps else (  # the run's last
+            self.metric_log.step_kind(step, self.config.logging_parameters.log_every_n_steps, self.callbacks.log_intervals))
         self.metric_log.gate = not accumulating and log_kind > 0
         self.stepper.loss_weight = getattr(batch, "loss_weight", None)  # before the transfer: this batch's own
         self.goodput.arrived()

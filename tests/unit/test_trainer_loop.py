@@ -250,6 +250,23 @@ def test_log_dict_is_dropped_without_sync_off_log_steps():
     assert trainer.logged_metrics["train/custom"] == pytest.approx(2 * float(trainer.step_losses[-1]), rel=1e-6)
 
 
+@pytest.mark.parametrize("max_steps, want", [(3, [3]), (10, [4, 8, 10]), (8, [4, 8])])
+def test_the_step_that_reaches_max_steps_is_logged(max_steps, want):
+    """A run shorter than its log interval, or ending between two log steps, logs its last
+    step's metrics (once: max_steps on an interval is not logged twice)."""
+    seen = []
+
+    class Logs(Callback):
+        def on_log(self, metrics, step):
+            if "train/loss" in metrics:
+                seen.append(step)
+
+    trainer = make([Logs()], log_every_n_steps=4, n_epochs=None, max_steps=max_steps)
+    trainer.fit()
+    assert seen == want and trainer.global_step == max_steps
+    assert trainer.logged_metrics["train/loss"] == pytest.approx(float(trainer.step_losses[-1]), rel=1e-6)
+
+
 def test_state_dict_round_trip():
     a = make(n_epochs=2)
     a.fit()
