@@ -126,9 +126,7 @@ class DistributedWorld:
                 self.cluster.export()  # srun's ranks, in the variables env:// reads
             if self.world_size == 1 and "MASTER_ADDR" not in os.environ:
                 # One rank, no launcher: an in-memory store, no ports.
-                dist.init_process_group(
-                    self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
-                )
+                dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
             else:
                 # A roll call names any rank that never arrives (env:// would only count them).
                 store, roster, prefix = roll_call(self.cluster, timeout)
