@@ -55,6 +55,8 @@ class _StepWorld(_Reducer, Protocol):
 class _OnLog(Protocol):
     def on_log(self, metrics: dict[str, float], step: int) -> None: ...
 
+    def listens(self, hook: str) -> bool: ...
+
 
 class _LogOwner(Protocol):
     """Where `MetricLog.for_trainer` sends: the callbacks, under the current step."""
@@ -70,16 +72,22 @@ class MetricLog:
     """What was logged, and what waits to be sent.
 
     Attributes:
-        logged: the last value of every metric sent (``trainer.logged_metrics``).
+        logged: the last value of every metric sent (``trainer.logged_metrics``). Values
+            sent while nothing listens (`listening` False: no `on_log` hook, no tracker) are
+            kept as they were logged (a tensor: a copy on its device) and read to the host
+            when `logged` is read: a log step nobody reads costs no host read (on a GPU, no
+            sync).
         pending: values logged inside a training step that is not a log step, the latest
             per name, sent with the next log step's metrics (or at the epoch's end).
         gate: None outside a training step (a log call is sent at once); inside one, True
             on a log step (sent with the step's metrics) and False otherwise (kept).
     """
 
-    def __init__(self, send: Callable[[OnLogMetrics], None]):
+    def __init__(self, send: Callable[[OnLogMetrics], None], listening: Callable[[], bool] | None = None):
         self._send_fn = send
-        self.logged: dict[str, float] = {}
+        self._listening = listening
+        self._logged: dict[str, float] = {}
+        self._unread: dict[str, Any] = {}  # sent while nothing listened: read when `logged` is
         self.pending: dict[str, Any] = {}
         self.gate: bool | None = None
         self._queue: list[dict[str, Any]] | None = None  # set while on_log runs: logs made there
@@ -96,7 +104,15 @@ class MetricLog:
         def send(metrics: OnLogMetrics) -> None:
             trainer.callbacks.on_log(metrics, trainer.global_step)
 
-        return cls(send)
+        return cls(send, lambda: trainer.callbacks.listens("on_log"))
+
+    @property
+    def logged(self) -> dict[str, float]:
+        """The last value sent of every metric (values nobody listened to are read now, once)."""
+        if self._unread:
+            unread, self._unread = self._unread, {}
+            self._logged.update(to_floats(unread))
+        return self._logged
 
     @staticmethod
     def step_kind(step: int, every: int, intervals: Sequence[int]) -> int:
@@ -187,10 +203,14 @@ class MetricLog:
         self.dispatch(pending)
 
     def _send(self, metrics: dict[str, Any]) -> None:
+        if self._listening is not None and not self._listening():  # nobody reads it now: no host read
+            self._unread.update({k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()})
+            return
         floats = OnLogMetrics(to_floats(metrics))
-        self.logged.update(floats)
+        logged = self.logged
+        logged.update(floats)
         self._send_fn(floats)
-        self.logged.update(floats)  # with what the callbacks added or edited there
+        logged.update(floats)  # with what the callbacks added or edited there
 
     def _queue_nested(self, queue: list[dict[str, Any]], metrics: dict[str, Any]) -> None:
         """A log call from an `on_log`: queued for the nested round, or (from the nested

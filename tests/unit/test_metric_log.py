@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from dream_trainer import Callback
+
 from dream_trainer.trainer.metric_log import LogRecursionError, MetricLog, OnLogMetrics, check_metrics
 
 
@@ -123,6 +125,10 @@ def test_the_trainers_log_sends_to_the_callbacks_under_the_step_at_the_send():
             def on_log(cls, metrics, step):
                 cls.sent.append((dict(metrics), step))
 
+            @staticmethod
+            def listens(hook):
+                return hook == "on_log"
+
     owner = Owner()
     log = MetricLog.for_trainer(owner)
     log.log({"a": 1})
@@ -158,3 +164,64 @@ def test_the_trainers_own_step_metrics_on_one_rank():
     quiet = MetricLog(lambda m: None).own_step_metrics(result, stats, OneRank(), epoch=0, log_lr=False,
                                                        log_grad_norm=False)
     assert set(quiet) == {"train/loss", "train/epoch"}
+
+
+def test_values_nobody_listens_to_are_read_only_when_logged_is_read():
+    from dream_trainer.testing import HostReadCounter
+
+    sink, listening = Sink(), [False]
+    log = MetricLog(sink, lambda: listening[0])
+    loss = torch.tensor(2.0)
+    with HostReadCounter() as counter:
+        log.log({"loss": loss, "epoch": 1})
+        loss.add_(5.0)  # changed after it was logged: the logged value stays
+        log.log({"loss": torch.tensor(3.0), "lr": 0.1})  # the latest per name is kept
+    assert counter.counts() == {} and sink.sent == []  # no host read, nothing sent
+    with HostReadCounter() as counter:
+        assert log.logged == {"loss": 3.0, "epoch": 1.0, "lr": 0.1}
+    assert counter.counts() == {"float": 1}  # the one tensor, read once
+    assert log.logged == {"loss": 3.0, "epoch": 1.0, "lr": 0.1}  # and not again
+    log.log({"stale": torch.tensor(1.0)})
+    listening[0] = True  # a listener arrives: it gets what is sent from now on
+    log.log({"loss": torch.tensor(4.0)})
+    assert sink.sent == [{"loss": 4.0}]
+    assert log.logged == {"loss": 4.0, "epoch": 1.0, "lr": 0.1, "stale": 1.0}  # the unread one, in order
+
+
+def test_a_run_without_on_log_listeners_makes_no_host_read_on_its_log_steps():
+    """The trainer's own metrics (loss, lr) on its log steps are telemetry: with no
+    `on_log` hook and no tracker nothing reads them, so no log step syncs; the values
+    are still in ``logged_metrics`` when it is read."""
+    from dream_trainer import DeviceParameters, LoggingParameters, TrainerConfig, TrainingParameters
+    from dream_trainer.testing import HostReadCounter, StepReads, ToyTrainer
+
+    def run(callbacks):
+        counter = HostReadCounter()
+        steps = StepReads(counter)
+        cfg = TrainerConfig(run_name="r", device_parameters=DeviceParameters.SINGLE_DEVICE(),
+                            training_parameters=TrainingParameters(n_epochs=1, num_sanity_val_steps=0),
+                            logging_parameters=LoggingParameters(log_every_n_steps=2), callbacks=[steps, *callbacks])
+        trainer = ToyTrainer(cfg, n_samples=64, batch_size=16, with_validation=False)
+        with counter:
+            trainer.fit()
+        return trainer, {s: steps.kinds(s) for s in steps.steps}
+
+    class Listener(Callback):
+        def __init__(self):
+            self.losses = []
+
+        def on_log(self, metrics, step):
+            if "train/loss" in metrics:
+                self.losses.append((step, metrics["train/loss"]))
+
+    quiet, quiet_reads = run([])
+    listener = Listener()
+    heard, heard_reads = run([listener])
+    assert quiet.global_step == heard.global_step >= 2
+    log_steps = list(range(2, heard.global_step + 1, 2))
+    assert [s for s, _ in listener.losses] == log_steps
+    assert all(("float", "<genexpr>") in heard_reads[s] for s in log_steps)  # to_floats' read, listened to
+    assert all(quiet_reads[s] == [] for s in range(1, quiet.global_step + 1))  # nobody listened: no read at all
+    # the same run, the same values, read when asked for
+    assert quiet.logged_metrics["train/loss"] == pytest.approx(listener.losses[-1][1], abs=0)
+    assert quiet.logged_metrics["train/epoch"] == 0.0
