@@ -151,6 +151,7 @@ def run_hand_ddp(threads: int | None, device: str, opts: dict[str, Any], root: s
     from torch.utils.data.distributed import DistributedSampler
 
     from dream_trainer.data import TokenDataset  # the token file's samples as a map-style dataset
+    from dream_trainer.world.settle import settle_workers
 
     if threads is not None:
         torch.set_num_threads(threads)
@@ -197,6 +198,9 @@ def run_hand_ddp(threads: int | None, device: str, opts: dict[str, Any], root: s
             marks.append((time.perf_counter(), time.process_time(), busy_cpu_s()))
         if step == total:
             break
+    # What a user should write too: gloo's workers idle before the group goes, or destroying it (or
+    # collecting `ddp`, whose reducer holds it) can deadlock (dream_trainer/world/settle.py).
+    settle_workers()
     dist.destroy_process_group()
     (t0, c0, b0), (t1, c1, b1) = marks
     return {"seconds": t1 - t0, "cpu_seconds": c1 - c0, "machine_busy_cpu_seconds": b1 - b0,

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dream_trainer.launch import free_port
+from dream_trainer.world.settle import destroy_settled
 
 
 class SpawnError(RuntimeError):
@@ -43,7 +44,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            destroy_settled()  # the group's threads idle first (dream_trainer/world/settle.py)
 
 
 def spawn_world(

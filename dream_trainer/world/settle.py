@@ -14,11 +14,22 @@ and reproduced 7 times in 67 two-rank ``summarize`` runs on a loaded 2-core mach
 ``decref_pyobject`` -> ``take_gil`` -> ``pthread_exit`` while the main thread was in
 ``Py_FinalizeEx``'s collection.
 
+The same late release can also deadlock a live process: the last reference to a gloo group
+dropped under the GIL (``dist.destroy_process_group()``, or a DDP module's reducer collected
+when the function that made it returns) destroys the group, whose destructor joins its worker
+threads, still holding the GIL; a worker that is releasing its last work waits for the GIL
+and the join never returns. Seen as a hang of `benchmarks/parallel.py --smoke` (about 1 run
+in 20 on the 2-core machine): rank 0 in ``~ProcessGroupGloo`` -> ``std::thread::join`` under
+``Reducer`` deallocation, its worker in ``~AsyncAllreduceWork`` -> ``gil_scoped_acquire``,
+rank 1 waiting for it in the next run's rendezvous.
+
 `settle_workers` waits, with the GIL released, until none of the process's gloo worker
 threads is runnable (Linux ``/proc``: none in state ``R`` at two checks a couple of
 milliseconds apart); a worker waiting for the GIL gets it while this thread sleeps. It runs
 from an ``atexit`` hook that the world installs when it creates a gloo process group
-(`install_exit_settle`): after the program's last collective, before finalization.
+(`install_exit_settle`): after the program's last collective, before finalization; and
+before a world destroys its group (`destroy_settled`), so the group's threads are idle when
+anything joins them.
 """
 
 from __future__ import annotations
@@ -28,6 +39,8 @@ import logging
 import os
 import time
 from pathlib import Path
+
+import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -79,3 +92,10 @@ def install_exit_settle() -> None:
     if not _installed:
         _installed = True
         atexit.register(settle_workers)
+
+
+def destroy_settled() -> None:
+    """``dist.destroy_process_group()`` once gloo's workers have settled (see the module
+    docstring: destroying a group joins its threads under the GIL)."""
+    settle_workers()
+    dist.destroy_process_group()

@@ -22,7 +22,7 @@ from dream_trainer.configs import DeviceParameters
 from dream_trainer.world.memory import MemoryStatus, read_memory_status, reset_peak_memory
 from dream_trainer.world.plan import MESH_DIMS, MeshPlan, plan_mesh
 from dream_trainer.world.rendezvous import Heartbeat, is_communication_error, roll_call
-from dream_trainer.world.settle import install_exit_settle
+from dream_trainer.world.settle import destroy_settled, install_exit_settle
 from dream_trainer.world.sockets import shutdown_sockets, socket_inodes
 from dream_trainer.world.transfer import BatchTransfer
 from dream_trainer.world.watchdog import CollectiveTracker, Watchdog, explain_hang, watch
@@ -216,7 +216,7 @@ class DistributedWorld:
                 if abort and "nccl" in self.backend:
                     dist.distributed_c10d._abort_process_group()  # NCCL only: unblocks the GPU streams
                 else:
-                    dist.destroy_process_group()
+                    destroy_settled()  # gloo's workers idle first: the group's destructor joins them (settle.py)
             except Exception:  # noqa: BLE001 - teardown must not mask the original error
                 logger.exception("destroying the process group failed")
         if abort and self._sockets:

@@ -73,3 +73,40 @@ def test_a_gloo_groups_workers_are_idle_after_its_collectives(monkeypatch):
     world2.launch()
     world2.teardown()
     assert registered == [settle_workers]  # installed once per process
+
+
+def test_a_world_destroys_its_group_only_once_the_workers_are_idle():
+    """A group's destructor joins its worker threads under the GIL: a worker still releasing
+    its last work (it needs the GIL) would hang that join. The world's teardown waits for
+    runnable workers first; here a thread under the workers' own name stays runnable for
+    0.3 s after the collective."""
+    import torch.distributed as dist
+
+    from dream_trainer import DeviceParameters, DistributedWorld
+
+    world = DistributedWorld(DeviceParameters.SINGLE_DEVICE())
+    world.launch()
+    ready, stop = threading.Event(), threading.Event()
+    threading_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+    def worker() -> None:
+        _busy(ready, stop)
+
+    thread = threading.Thread(target=worker, daemon=True)
+    try:
+        out = [None]
+        dist.all_gather_object(out, 1)
+        thread.start()
+        assert ready.wait(30)
+        Path(f"/proc/self/task/{thread.native_id}/comm").write_text(settle.WORKER_NAMES[0])
+        threading.Timer(0.3, stop.set).start()
+        started = time.monotonic()
+        world.teardown()
+        waited = time.monotonic() - started
+    finally:
+        stop.set()
+        thread.join(30)
+        torch.set_num_threads(threading_threads)
+    assert not dist.is_initialized()
+    assert 0.25 <= waited < 2.0, waited  # it waited for the worker, and not until the timeout
