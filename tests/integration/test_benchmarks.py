@@ -40,6 +40,7 @@ EXPECTED: dict[str, Callable[[dict[str, Any]], list[float]]] = {
     "fsdp_prefetch": lambda r: [row["tokens_per_s"] for row in r["rows"].values()],
     "ft_recovery": lambda r: [s for row in r["rows"] for s in (*row["ddp_step_s"], *row["ft_step_s"])],
     "health": lambda r: [r["ms_per_step_without"], r["ms_per_step_with"]],
+    "loop_cache": lambda r: [v for row in r["rows"].values() for v in (row["trainer_loop_us"], row["python_us"])],
     "overhead": lambda r: [variant["median_step_us"] for variant in r["variants"].values()],
     "parallel": lambda r: [layout["tokens_per_s_median"] for layout in r["layouts"].values()],
     "pipeline": lambda r: [row["tokens_per_s_median"] for row in r["rows"].values()],
