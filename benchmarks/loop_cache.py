@@ -130,8 +130,8 @@ class Loader:
 
 
 class Rounds(Callback[Any]):
-    """Sets each epoch's variant; times its epoch less what ran between its steps; runs the
-    plain-Python control for the same variant right after."""
+    """Sets each epoch's variant (condition, step kind); times its epoch less what ran between
+    its steps; after an "empty" epoch, runs the plain-Python control under the same condition."""
 
     def __init__(self, schedule: list[tuple[int | None, str]], between: Between, loader: Loader, control: Any) -> None:
         self.schedule, self.between, self.loader, self.control = schedule, between, loader, control
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                validate_at_epoch_end=False),
         logging_parameters=LoggingParameters(log_every_n_steps=10), callbacks=[rounds],
     )
-    EmptyStep(config, loader).fit()  # type: ignore[arg-type]
+    EmptyStep(config, loader).fit()
 
     hot = label(None)
     rows: dict[str, dict[str, float]] = {}

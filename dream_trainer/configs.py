@@ -119,10 +119,12 @@ class LoggingParameters:
     """What the trainer logs by itself and how often.
 
     Attributes:
-        log_every_n_steps: metrics are read from the device and sent to `on_log` every N
-            optimizer steps, at the step that reaches ``max_steps`` (a run shorter than N
-            steps logs its last one) and at the end of each validation. Values logged on other
-            steps are dropped without a host-device sync.
+        log_every_n_steps: metrics are sent to `on_log` every N optimizer steps, at the
+            step that reaches ``max_steps`` (a run shorter than N steps logs its last one)
+            and at the end of each validation, read from the device in one transfer when a
+            callback listens (with no `on_log` hook, when ``trainer.logged_metrics`` is read).
+            Values logged on other steps are kept without a host-device sync and sent with the
+            next dispatch.
         log_grad_norm: also compute and log ``train/grad_norm`` on log steps when not
             clipping (a norm over every gradient: ~1% of the step time of a small model at
             ``log_every_n_steps=10``). With ``gradient_clip_val`` set the norm is computed
