@@ -184,28 +184,34 @@ class AbstractTrainer(ABC):
         if self.is_accumulating_gradients:
             return None
         started = time.perf_counter()
-        stepper, cb = self.stepper, self.callbacks
+        stepper, cb, world = self.stepper, self.callbacks, self.world
         path = stepper.path
         stats = path.stats
         try:
-            route = path.route(optimizer, stepper.make_route)
+            route = path.routes.get(id(optimizer)) or path.route(optimizer, stepper.make_route)
+            norm = stepper.clip(route)  # the gradient sync seam, then clipping or the norm (if any is due)
+            hooks = cb.has_optimizer_hooks
             owner = model if model is not None else route.model
-            norm = stepper.clip(route)  # the gradient sync seam, then clipping or the norm
-            vetoes = cb.pre_optimizer_step(owner, optimizer)
+            vetoes = cb.pre_optimizer_step(owner, optimizer) if hooks else None
             # What optimizer.step() sees: read after pre_optimizer_step (a warm-up may set
             # it there); schedulers step after.
             stats.lr[route.name] = optimizer.param_groups[0]["lr"]
-            reason = self.world.agree_on_step(stepper.agreed_skip(vetoes))  # a fault-tolerant world: the quorum's commit
+            reason = stepper.agreed_skip(vetoes or []) if vetoes or self.vetoes_steps or cb.vetoes_steps else None
+            if world.step_seams:
+                reason = world.agree_on_step(reason)  # a fault-tolerant world: the quorum's commit
             if reason is None:
                 optimizer.step()
                 path.stepped = True
-                cb.post_optimizer_step(owner, optimizer)
-            else:
-                stats.skipped = reason
-            stepper.drop_gradients(owner, optimizer)
-            if reason is None:
+                if hooks:
+                    cb.post_optimizer_step(owner, optimizer)
+                    stepper.drop_gradients(owner, optimizer)
+                else:
+                    optimizer.zero_grad(set_to_none=True)
                 for scheduler in route.schedulers:
                     scheduler.step()
+            else:
+                stats.skipped = reason
+                stepper.drop_gradients(owner, optimizer)
             return norm
         finally:
             stats.optimizer_s += time.perf_counter() - started

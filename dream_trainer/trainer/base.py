@@ -304,7 +304,7 @@ class BaseTrainer(AbstractTrainer):
         for model in self.named_models().values():
             model.train()
         set_epoch(self.train_dataloader, self.current_epoch)
-        losses = RunningMean()  # on the device, one add per 256 steps
+        losses = RunningMean() if self.callbacks.listens("post_train_epoch") else None  # its reader's; on the device
         start = batch_idx = self.local_batches - 1  # > -1 when resuming mid-epoch
         path, position = self.step_path, self.data_position
         path.fetch_start = path.step_end = self.goodput.fetching()  # the first wait includes making the iterator
@@ -316,7 +316,7 @@ class BaseTrainer(AbstractTrainer):
                 # at the fetch) moves the counters, and the loop goes on from there.
                 batch_idx = self.local_batches
                 loss, done = self._train_on(batch, batch_idx, is_last)
-                if loss is not None:
+                if loss is not None and losses is not None:
                     losses.add(loss)
                 if done:
                     break
@@ -336,7 +336,7 @@ class BaseTrainer(AbstractTrainer):
             )
         position.last_epoch_batches = batch_idx + 1
         result: dict[str, Any] = {"batches": batch_idx + 1}
-        if losses.count:
+        if losses is not None and losses.count:
             result["loss"] = losses.mean()
         return result
 
@@ -346,12 +346,12 @@ class BaseTrainer(AbstractTrainer):
         The common step runs inline (``fit`` -> `_run` -> `_train_epoch` -> here ->
         ``training_step`` -> `step`); a step the callbacks may retry goes through `Stepper.recoverable`."""
         accumulating, log_kind = self._open_batch(batch, batch_idx, is_last)
-        batch = self.world.transfer(batch)
-        cb, stats = self.callbacks, self.step_path.stats
+        batch = self.world.transfer(batch) if self.world.transfer.moves else batch
+        cb, stats = self.callbacks, self.stepper.path.stats
         if cb.recovers_errors:
             skipped, result, loss = self.stepper.recoverable(batch, batch_idx, accumulating, self._contexts_step)
         else:
-            batch = cb.pre_train_step(batch, batch_idx)
+            batch = cb.pre_train_step(batch, batch_idx) if cb.has_step_hooks else batch
             skipped = cb.skips_batches and self.stepper.skip_batch(ends_step=not accumulating)
             result, loss = {}, None
             if not skipped:
@@ -399,10 +399,11 @@ class BaseTrainer(AbstractTrainer):
             logging_ = self.config.logging_parameters
             own = log_.own_step_metrics(means, self.step_path.stats, self.world, self.current_epoch, logging_.log_lr,
                                         logging_.log_grad_norm or training.gradient_clip_val is not None)
-        if not skipped:
-            cb.post_train_step(result, batch_idx)
-        if not accumulating:
-            cb.on_step_end(step)
+        if cb.has_step_hooks:
+            if not skipped:
+                cb.post_train_step(result, batch_idx)
+            if not accumulating:
+                cb.on_step_end(step)
         if log:
             log_.send_step(own)
         log_.gate = None
@@ -412,7 +413,7 @@ class BaseTrainer(AbstractTrainer):
         if validated:
             self._validate()
             self.step_path.step_end = time.perf_counter()  # a step's time leaves validation out
-        self._control_point(blocking=validated)
+        self.control.decide(self.world, cb, blocking=validated)  # the control point: agreed requests
         return max_steps is not None and self.global_step >= max_steps
 
     @property

@@ -76,23 +76,22 @@ class GoodputLedger:
     def fetching(self) -> float:
         """The loop asks for the next batch (``data`` until `arrived`); returns the clock read."""
         now = time.perf_counter()
-        self._flush(now)
-        self._base, self._stepping = "data", True
+        self._switch(now, "data")
+        self._stepping = True
         if self._resumed_from is not None:
             self._account_restart(now)
         return now
 
     def arrived(self) -> None:
         """The batch arrived: ``productive`` from here."""
-        self._flush(time.perf_counter())
-        self._base = "productive"
+        self._switch(time.perf_counter(), "productive")
 
     def step_end(self, skipped: bool, accumulating: bool = False) -> None:
         """An optimizer step ended (`accumulating`: only a micro-batch did); a `skipped` step's
         productive time moves to ``skipped``."""
         if accumulating:
             return
-        self._flush(time.perf_counter())
+        self._switch(time.perf_counter(), "productive")
         if skipped:
             self._parts["productive"] -= self._step_productive
             self._parts["skipped"] += self._step_productive
@@ -224,14 +223,19 @@ class GoodputLedger:
         return self._stack[-1] if self._stack else self._base
 
     def _flush(self, now: float) -> None:
-        if self._mark is None:
-            return
-        elapsed = now - self._mark
-        current = self._stack[-1] if self._stack else self._base
-        self._parts[current] += elapsed
-        if current == "productive":
-            self._step_productive += elapsed
-        self._mark = now
+        self._switch(now, self._base)
+
+    def _switch(self, now: float, base: str) -> None:
+        """`_flush` to `now`, then `base` is the loop's part: one call on the step's path."""
+        mark = self._mark
+        if mark is not None:
+            elapsed = now - mark
+            current = self._stack[-1] if self._stack else self._base
+            self._parts[current] += elapsed
+            if current == "productive":
+                self._step_productive += elapsed
+            self._mark = now
+        self._base = base
 
     def _account_restart(self, now: float) -> None:
         """The first batch after a resume: everything since the checkpoint took its state

@@ -67,7 +67,7 @@ class StepPath:
         self._veto: str | None = None
         self._veto_flag: tuple[torch.Tensor, str] | None = None
         self._batch_skip: str | None = None
-        self._routes: dict[int, OptimizerRoute] = {}
+        self.routes: dict[int, OptimizerRoute] = {}  # id(optimizer) -> its route (`route` makes them)
 
     # ------------------------------------------------------------------ vetoes
     def veto(self, reason: str) -> None:
@@ -115,14 +115,14 @@ class StepPath:
     def route(self, optimizer: Optimizer, make: Callable[[Optimizer], OptimizerRoute]) -> OptimizerRoute:
         """`optimizer`'s route: made by `make` on its first step, then kept."""
         key = id(optimizer)
-        found = self._routes.get(key)
+        found = self.routes.get(key)
         if found is None:
-            found = self._routes[key] = make(optimizer)
+            found = self.routes[key] = make(optimizer)
         return found
 
     def forget_routes(self) -> None:
         """Work the routes out again at the next step (optimizers or models changed)."""
-        self._routes.clear()
+        self.routes.clear()
 
     # ------------------------------------------------------------------ the cycle
     def arrive(self, now: float, samples: int, tokens: int | None) -> bool:
@@ -144,8 +144,16 @@ class StepPath:
 
     def end(self, step: int, now: float) -> bool:
         """The open step, global step `step` when applied, ended at `now`. Whether it was
-        skipped (then the global step stays `step` - 1)."""
-        stats, skipped = self.stats, self.skipped
+        skipped (then the global step stays `step` - 1). A veto still waiting (`skip_step`
+        with no ``trainer.step`` after it) is an error, and is cleared."""
+        if self._veto is not None or self._veto_flag is not None:
+            self.clear_vetoes()
+            raise RuntimeError(
+                "skip_step() was called but no trainer.step(optimizer) followed in this step: call it in "
+                "training_step or pre_optimizer_step, before self.step(optimizer)"
+            )
+        stats = self.stats
+        skipped = stats.skipped is not None and not self.stepped
         if skipped:
             self.skipped_steps += 1
             step -= 1

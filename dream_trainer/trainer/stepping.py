@@ -98,23 +98,24 @@ class Stepper:
     def backward(self, loss: torch.Tensor, accumulation: int, **kwargs: Any) -> None:
         """``loss.backward()``, scaled by 1/`accumulation` when accumulating and by the
         micro-batch's `loss_weight` when it carries one other than 1, after the agreement
-        of `before_backward`."""
-        self.before_backward()
-        if self.path.backward_loss_wanted:  # a monitor decides on this step's loss before its update
-            self.path.stats.add_backward(loss)
+        of `before_backward`. Inside a collective region only where there are peers."""
+        path, trainer = self.path, self.trainer
+        if trainer.callbacks.recovers_errors:
+            self.before_backward()
+        if path.backward_loss_wanted:  # a monitor decides on this step's loss before its update
+            path.stats.add_backward(loss)
         weight = self.loss_weight
         if weight is not None and weight != 1:  # an uneven share of the global batch: one multiply
             loss = loss * (weight / accumulation)
         elif accumulation > 1:
             loss = loss / accumulation
-        kind, trainer = loss.device.type, self.trainer
+        collectives = trainer.world.collectives
+        if not collectives.tracking:  # one rank: nothing to wait for
+            _backward(loss, kwargs)
+            return
         name = "backward" if trainer.is_accumulating_gradients else "backward: gradient reduction"
-        with trainer.world.collectives.region(name):  # DDP/FSDP reduce gradients in it (a hang is named there)
-            if torch.is_autocast_enabled(kind):  # the forward's autocast stays out of the backward (torch's advice):
-                with torch.autocast(kind, enabled=False):  # under it, eager backward ops re-dispatch through autocast
-                    loss.backward(**kwargs)
-            else:
-                loss.backward(**kwargs)
+        with collectives.region(name):  # DDP/FSDP reduce gradients in it (a hang is named there)
+            _backward(loss, kwargs)
 
     def before_backward(self) -> None:
         """With a callback that ``recovers_errors``: the ranks agree that none failed
@@ -144,18 +145,31 @@ class Stepper:
         then clipping to ``gradient_clip_val`` or, where something reads it, the norm; in
         the step's telemetry. The pre-clip norm (a device tensor) or None."""
         trainer = self.trainer
+        world = trainer.world
+        collectives = world.collectives
+        if not collectives.tracking:
+            if (world.step_seams or self.path.grad_norm_wanted
+                    or trainer.config.training_parameters.gradient_clip_val is not None
+                    or (trainer.metric_log.gate and trainer.config.logging_parameters.log_grad_norm)):
+                return self._sync_and_clip(route)
+            return None  # nothing due: no call, no region
+        collectives.phase = "optimizer step"
+        with collectives.region("gradient sync and norm (the optimizer step)"):
+            return self._sync_and_clip(route)
+
+    def _sync_and_clip(self, route: OptimizerRoute) -> torch.Tensor | None:
+        trainer = self.trainer
         world, path = trainer.world, self.path
-        world.collectives.phase = "optimizer step"
-        with world.collectives.region("gradient sync and norm (the optimizer step)"):
+        if world.step_seams:
             world.sync_gradients(route.params)
-            clip = trainer.config.training_parameters.gradient_clip_val
-            if clip is not None:
-                norm = path.stats.grad_norm[route.name] = world.clip_grad_norm_(route.params, clip)
-                path.stats.clip_limit[route.name] = clip  # `stats.clipped` compares when read
-                return norm
-            if path.grad_norm_wanted or (trainer.metric_log.gate and trainer.config.logging_parameters.log_grad_norm):
-                norm = path.stats.grad_norm[route.name] = world.total_gradient_norm(route.params)
-                return norm
+        clip = trainer.config.training_parameters.gradient_clip_val
+        if clip is not None:
+            norm = path.stats.grad_norm[route.name] = world.clip_grad_norm_(route.params, clip)
+            path.stats.clip_limit[route.name] = clip  # `stats.clipped` compares when read
+            return norm
+        if path.grad_norm_wanted or (trainer.metric_log.gate and trainer.config.logging_parameters.log_grad_norm):
+            norm = path.stats.grad_norm[route.name] = world.total_gradient_norm(route.params)
+            return norm
         return None
 
     def skip_step(self, reason: str) -> None:
@@ -174,14 +188,17 @@ class Stepper:
         device): the data wait since the previous batch was done, its samples/tokens; the
         step's `on_step_begin` when the batch opens it."""
         trainer, now = self.trainer, time.perf_counter()
-        trainer.world.collectives.batch_arrived(step, now)
-        if self.path.arrive(now, *trainer.count_batch(batch)):
+        collectives = trainer.world.collectives
+        if collectives.tracking:
+            collectives.batch_arrived(step, now)
+        if self.path.arrive(now, *trainer.count_batch(batch)) and trainer.callbacks.has_step_hooks:
             trainer.callbacks.on_step_begin(step)
 
     def compute_starts(self) -> float:
         """``training_step`` is called (phase ``training_step``; on FSDP, TP, CP or PP the
         forward's collectives are entered); returns ``time.perf_counter()``."""
-        return self.trainer.world.collectives.compute_starts()
+        collectives = self.trainer.world.collectives
+        return collectives.compute_starts() if collectives.tracking else time.perf_counter()
 
     def recoverable(self, batch: Any, batch_idx: int, accumulating: bool,
                     run: Callable[[Any, int, bool], dict[str, Any]]) -> StepResult:
@@ -278,17 +295,13 @@ class Stepper:
         """The end of an optimizer step (the last micro-batch of a group): advance
         ``global_step`` unless the step was skipped, record its time. Whether it was skipped."""
         path, trainer = self.path, self.trainer
-        if path.veto_pending:
-            path.clear_vetoes()
-            raise RuntimeError(
-                "skip_step() was called but no trainer.step(optimizer) followed in this step: call it in "
-                "training_step or pre_optimizer_step, before self.step(optimizer)"
-            )
         now, world = time.perf_counter(), trainer.world
-        skipped = path.end(trainer.global_step + 1, now)
-        if not path.timeout_relaxed and not skipped:  # the first step of this fit(): warm-up begins
-            self.stragglers.start()
-        self.stragglers.add(world.collectives.step_work(now), path.stats.data_wait_s)
+        skipped = path.end(trainer.global_step + 1, now)  # raises for a veto no step took
+        collectives = world.collectives
+        if collectives.tracking:  # the stragglers compare ranks
+            if not path.timeout_relaxed and not skipped:  # the first step of this fit(): warm-up begins
+                self.stragglers.start()
+            self.stragglers.add(collectives.step_work(now), path.stats.data_wait_s)
         if skipped:
             logger.info("optimizer step %d skipped: %s", trainer.global_step + 1, path.stats.skipped)
         else:
@@ -296,8 +309,10 @@ class Stepper:
             if not path.timeout_relaxed:  # the first step of this fit(), also after a resume
                 path.timeout_relaxed = True
                 world.relax_timeout()
-        world.collectives.step_ended(trainer.global_step + 1)
-        if not skipped and trainer.global_step % trainer.config.logging_parameters.log_every_n_steps == 0:
+        if collectives.tracking:
+            collectives.step_ended(trainer.global_step + 1)
+        if (collectives.tracking and not skipped
+                and trainer.global_step % trainer.config.logging_parameters.log_every_n_steps == 0):
             trainer.metric_log.log(self.stragglers.report(world))  # the trainer's log steps: the same on every rank
         return skipped
 
@@ -405,6 +420,15 @@ def _carry_reduction(optimizer: Any, before: list[float], schedulers: list[Any])
             for scheduler in schedulers:
                 if scheduler.optimizer is optimizer:
                     scheduler.base_lrs[i] *= scale
+
+
+def _backward(loss: torch.Tensor, kwargs: dict[str, Any]) -> None:
+    kind = loss.device.type
+    if torch.is_autocast_enabled(kind):  # the forward's autocast stays out of the backward (torch's advice):
+        with torch.autocast(kind, enabled=False):  # under it, eager backward ops re-dispatch through autocast
+            loss.backward(**kwargs)
+    else:
+        loss.backward(**kwargs)
 
 
 def _needs_metric(scheduler: Any) -> bool:

@@ -159,7 +159,12 @@ def count_batch(batch: Any) -> tuple[int, int | None]:
     """The default of ``trainer.count_batch``: samples = the first dimension of the batch's
     first tensor; tokens = its first two dimensions' product when that tensor holds integer
     ids of shape ``[batch, sequence, ...]``, else None."""
-    first = batch if isinstance(batch, torch.Tensor) else _first_tensor(batch)
+    if isinstance(batch, torch.Tensor):
+        first: torch.Tensor | None = batch
+    elif isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
+        first = batch[0]  # the common ``(inputs, targets)``: no walk
+    else:
+        first = _first_tensor(batch)
     if first is None:
         return 0, None
     shape = first.shape

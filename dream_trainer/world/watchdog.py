@@ -126,10 +126,12 @@ class CollectiveTracker:
             ``"training_step"``, ``"backward"``, ...); plug-ins may set `phase`.
         forward_communicates: the layout communicates in the forward (FSDP, TP, CP, PP):
             `compute_starts` enters a collective there.
+        tracking: the trainer marks its steps and collectives here (False on one rank: no
+            peer, no watchdog, no straggler to compare).
     """
 
-    __slots__ = ("current", "left", "step", "phase", "forward_communicates", "roster", "_skip", "_work_start",
-                 "_work_s", "_next_step", "_regions")
+    __slots__ = ("current", "left", "step", "phase", "forward_communicates", "tracking", "roster", "_skip",
+                 "_work_start", "_work_s", "_next_step", "_regions")
 
     def __init__(self, plan: MeshPlan | None = None, skip_files: tuple[str, ...] = ()):
         self.current: tuple[int, str, CodeType | None, float] = (0, "", None, 0.0)
@@ -137,6 +139,9 @@ class CollectiveTracker:
         self.step, self.phase, self._next_step = 0, "launch and setup", 1
         self.forward_communicates = plan is not None and (plan.dp_shard > 1 or plan.tp > 1 or plan.cp > 1
                                                           or plan.pp > 1)
+        # One rank has no peer to wait for, no watchdog and no straggler: the trainer's step
+        # skips its marks and regions then (the world's own collectives keep theirs).
+        self.tracking = plan is None or plan.world_size > 1
         self.roster: Roster | None = None  # who is where, once the world is launched
         self._skip = frozenset(skip_files)  # files whose frames are not "the caller"
         self._work_start: float | None = None  # the micro-batch's arrival, until its first collective

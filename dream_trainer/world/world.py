@@ -82,6 +82,8 @@ class DistributedWorld:
         self._heartbeat: Heartbeat | None = None  # names lost ranks after a failure (`explain_failure`)
         self._watchdog: Watchdog | None = None  # names a rank that never enters a collective (`watch`)
         self.collectives = CollectiveTracker(self.plan, (__file__,))  # this rank's collectives, in memory only
+        base, cls = DistributedWorld, type(self)  # `trainer.step` calls the step's seams where a subclass overrides one
+        self.step_seams = cls.sync_gradients is not base.sync_gradients or cls.agree_on_step is not base.agree_on_step
         # id(parameter list) -> (its parameters, [(gradient kind, indices)]): see _gradient_groups
         self._grad_plans: dict[int, tuple[tuple[Any, ...], list[tuple[Any, list[int]]]]] = {}
 
@@ -462,15 +464,13 @@ class DistributedWorld:
         `starts_step`: it is the first micro-batch of an optimizer step. A no-op here."""
 
     def sync_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
-        """Called by ``trainer.step(optimizer)`` before clipping, with the optimizer's
-        parameters: communication the mesh's own modules do not do. A no-op here
-        (FSDP2/DDP modules reduce their gradients in backward); a fault-tolerant world
-        averages them across replica groups."""
+        """Called by ``trainer.step(optimizer)`` (only where a subclass overrides it or
+        `agree_on_step`) before clipping, with the optimizer's parameters: communication the
+        mesh's own modules do not do (FSDP2/DDP reduce in backward); a fault-tolerant world's."""
 
     def agree_on_step(self, skip_reason: str | None) -> str | None:
-        """The last word on the optimizer step about to be applied, after the ranks agreed
-        on `skip_reason` (None: apply it). Returns the reason to skip it, or None. Here:
-        `skip_reason` as it is; a fault-tolerant world commits only what its quorum agrees on."""
+        """The last word on the step about to be applied (`skip_reason` None: apply it): the
+        reason to skip it, or None. A fault-tolerant world's quorum decides."""
         return skip_reason
 
     # ------------------------------------------------------------------ memory
