@@ -79,7 +79,7 @@ class GoodputLedger:
         self._switch(now, "data")
         self._stepping = True
         if self._resumed_from is not None:
-            self._account_restart(now)
+            self._account_restart(self._resumed_from)
         return now
 
     def arrived(self) -> None:
@@ -237,10 +237,10 @@ class GoodputLedger:
             self._mark = now
         self._base = base
 
-    def _account_restart(self, now: float) -> None:
+    def _account_restart(self, resumed_from: float) -> None:
         """The first batch after a resume: everything since the checkpoint took its state
         is ``restart`` (this attempt's start-up included, so it leaves the other parts)."""
-        gap = time.time() - self._resumed_from  # type: ignore[operator]
+        gap = time.time() - resumed_from
         so_far = sum(self._parts.values())
         self._parts = dict.fromkeys(KINDS, 0.0)
         self._parts["restart"] = max(gap, so_far)  # clocks of two hosts may disagree: never less than this attempt's

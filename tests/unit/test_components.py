@@ -69,3 +69,15 @@ def test_a_plug_in_replaces_a_model_through_the_trainer_s_seam(tmp_path):
         trainer.replace_model("head", new)
     with pytest.raises(TypeError, match="takes an nn.Module"):
         trainer.replace_model("model", "not a module")
+
+
+def test_the_trainer_is_one_chain_without_mixins_and_its_package_has_no_type_ignore():
+    from pathlib import Path
+
+    import dream_trainer.trainer
+
+    assert [k.__name__ for k in DreamTrainer.__mro__] == ["DreamTrainer", "BaseTrainer", "AbstractTrainer", "ABC", "object"]
+    root = Path(dream_trainer.trainer.__file__).parent
+    ignores = [f"{path.name}:{number}" for path in sorted(root.glob("*.py"))
+               for number, line in enumerate(path.read_text().splitlines(), 1) if "type: ignore" in line]
+    assert not ignores, ignores  # a protocol or a component replaces each
