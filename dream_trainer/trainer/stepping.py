@@ -15,6 +15,7 @@ all-reduce of one int on the CPU, a host wait but no device sync. A device-side 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -109,13 +110,17 @@ class Stepper:
             loss = loss * (weight / accumulation)
         elif accumulation > 1:
             loss = loss / accumulation
-        collectives = trainer.world.collectives
-        if not collectives.tracking:  # one rank: nothing to wait for
-            _backward(loss, kwargs)
+        collectives, autocast = trainer.world.collectives, torch.is_autocast_enabled(loss.device.type)
+        if not collectives.tracking and not autocast:  # one rank: nothing to wait for
+            loss.backward(**kwargs)
             return
         name = "backward" if trainer.is_accumulating_gradients else "backward: gradient reduction"
-        with collectives.region(name):  # DDP/FSDP reduce gradients in it (a hang is named there)
-            _backward(loss, kwargs)
+        with collectives.region(name) if collectives.tracking else contextlib.nullcontext():
+            if autocast:  # the forward's autocast stays out of the backward (torch's advice):
+                with torch.autocast(loss.device.type, enabled=False):  # else eager backward ops re-dispatch through it
+                    loss.backward(**kwargs)
+            else:  # DDP/FSDP reduce gradients in the region (a hang is named there)
+                loss.backward(**kwargs)
 
     def before_backward(self) -> None:
         """With a callback that ``recovers_errors``: the ranks agree that none failed
@@ -420,15 +425,6 @@ def _carry_reduction(optimizer: Any, before: list[float], schedulers: list[Any])
             for scheduler in schedulers:
                 if scheduler.optimizer is optimizer:
                     scheduler.base_lrs[i] *= scale
-
-
-def _backward(loss: torch.Tensor, kwargs: dict[str, Any]) -> None:
-    kind = loss.device.type
-    if torch.is_autocast_enabled(kind):  # the forward's autocast stays out of the backward (torch's advice):
-        with torch.autocast(kind, enabled=False):  # under it, eager backward ops re-dispatch through autocast
-            loss.backward(**kwargs)
-    else:
-        loss.backward(**kwargs)
 
 
 def _needs_metric(scheduler: Any) -> bool:
