@@ -150,31 +150,23 @@ class Stepper:
         then clipping to ``gradient_clip_val`` or, where something reads it, the norm; in
         the step's telemetry. The pre-clip norm (a device tensor) or None."""
         trainer = self.trainer
-        world = trainer.world
-        collectives = world.collectives
-        if not collectives.tracking:
-            if (world.step_seams or self.path.grad_norm_wanted
-                    or trainer.config.training_parameters.gradient_clip_val is not None
-                    or (trainer.metric_log.gate and trainer.config.logging_parameters.log_grad_norm)):
-                return self._sync_and_clip(route)
-            return None  # nothing due: no call, no region
-        collectives.phase = "optimizer step"
-        with collectives.region("gradient sync and norm (the optimizer step)"):
-            return self._sync_and_clip(route)
-
-    def _sync_and_clip(self, route: OptimizerRoute) -> torch.Tensor | None:
-        trainer = self.trainer
         world, path = trainer.world, self.path
-        if world.step_seams:
-            world.sync_gradients(route.params)
-        clip = trainer.config.training_parameters.gradient_clip_val
-        if clip is not None:
-            norm = path.stats.grad_norm[route.name] = world.clip_grad_norm_(route.params, clip)
-            path.stats.clip_limit[route.name] = clip  # `stats.clipped` compares when read
-            return norm
-        if path.grad_norm_wanted or (trainer.metric_log.gate and trainer.config.logging_parameters.log_grad_norm):
-            norm = path.stats.grad_norm[route.name] = world.total_gradient_norm(route.params)
-            return norm
+        collectives = world.collectives
+        if collectives.tracking:
+            collectives.phase = "optimizer step"
+        # A region only where there are peers (a hang is named there); one rank: no region.
+        with collectives.region("gradient sync and norm (the optimizer step)") if collectives.tracking \
+                else contextlib.nullcontext():
+            if world.step_seams:
+                world.sync_gradients(route.params)
+            clip = trainer.config.training_parameters.gradient_clip_val
+            if clip is not None:
+                norm = path.stats.grad_norm[route.name] = world.clip_grad_norm_(route.params, clip)
+                path.stats.clip_limit[route.name] = clip  # `stats.clipped` compares when read
+                return norm
+            if path.grad_norm_wanted or (trainer.metric_log.gate and trainer.config.logging_parameters.log_grad_norm):
+                norm = path.stats.grad_norm[route.name] = world.total_gradient_norm(route.params)
+                return norm
         return None
 
     def skip_step(self, reason: str) -> None:
