@@ -48,12 +48,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def detach_result(result: Any, where: str) -> dict[str, Any]:
-    """Check that a step returned a dict (or None) and detach its tensors."""
+    """Check that a step returned a dict (or None) and detach its tensors (in that dict)."""
     if result is None:
         return {}
     if not isinstance(result, dict):
         raise TypeError(f"{where} must return a dict (e.g. {{'loss': loss}}) or None, got {type(result).__name__}")
-    return {k: v.detach() if isinstance(v, torch.Tensor) and v.requires_grad else v for k, v in result.items()}
+    for key, value in result.items():  # in place (the step's own dict), a loop: no copy, no extra frame
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            result[key] = value.detach()
+    return result
 
 
 def to_floats(metrics: dict[str, Any]) -> dict[str, float]:

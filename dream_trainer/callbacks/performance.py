@@ -74,6 +74,7 @@ class PerformanceReportCallback(RankZeroCallback[BaseTrainer]):
         self._samples0: tuple[int, int | None, int, int | None] | None = None
 
     def pre_fit(self) -> None:
+        self.trainer.request_step_times()  # compute and optimizer times: measured for this report
         self.trainer.world.reset_peak_memory()  # the peak of the training, not of the setup
         if self._on_cuda():
             # The synchronizing hooks exist only on CUDA: on CPU measuring costs one hook.

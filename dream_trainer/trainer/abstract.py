@@ -174,7 +174,7 @@ class AbstractTrainer(ABC):
         ``loss.backward()`` for that. With a callback that ``recovers_errors``, the ranks
         first agree that no rank's ``training_step`` failed before its backward (see
         `on_train_step_error`)."""
-        self.stepper.backward(loss, self.gradient_accumulation_steps, **kwargs)
+        self.stepper.backward(loss, **kwargs)
 
     def step(self, optimizer: Optimizer, model: nn.Module | None = None) -> torch.Tensor | None:
         """Clip, step and zero `optimizer`, then step its schedulers; a no-op while
@@ -183,10 +183,10 @@ class AbstractTrainer(ABC):
         dropped. Returns the gradient norm when one was computed (a device tensor)."""
         if self.is_accumulating_gradients:
             return None
-        started = time.perf_counter()
         stepper, cb, world = self.stepper, self.callbacks, self.world
         path = stepper.path
-        stats = path.stats
+        stats, timed = path.stats, path.times_wanted  # `request_step_times`
+        started = time.perf_counter() if timed else 0.0
         try:
             route = path.routes.get(id(optimizer)) or path.route(optimizer, stepper.make_route)
             norm = stepper.clip(route)  # the gradient sync seam, then clipping or the norm (if any is due)
@@ -214,7 +214,8 @@ class AbstractTrainer(ABC):
                 stepper.drop_gradients(owner, optimizer)
             return norm
         finally:
-            stats.optimizer_s += time.perf_counter() - started
+            if timed:
+                stats.optimizer_s += time.perf_counter() - started
 
     def skip_step(self, reason: str = "skipped") -> None:
         """Skip the coming optimizer step, on every rank (call it in ``training_step`` or
@@ -238,16 +239,22 @@ class AbstractTrainer(ABC):
         on: a device op per backward, only for those who ask (False: stop)."""
         self.step_path.backward_loss_wanted = enabled
 
+    def request_step_times(self, enabled: bool = True) -> None:
+        """Time each step's ``training_step`` and ``trainer.step(optimizer)`` from now on
+        (``step_stats.compute_s``/``optimizer_s``; NaN until asked): four clock reads a step,
+        only for those who ask (False: stop)."""
+        self.step_path.times_wanted = enabled
+
     def request_grad_norm(self, enabled: bool = True) -> None:
         """Compute the pre-clip gradient norm on every step from now on
         (``step_stats.grad_norm``), once per step for every reader (False: stop)."""
         self.step_path.grad_norm_wanted = enabled
 
-    def count_batch(self, batch: Any) -> tuple[int, int | None]:
-        """``(samples, tokens)`` in a (micro-)batch, for ``step_stats`` and throughput.
-        Default: see `dream_trainer.trainer.telemetry.count_batch`. Override for other
-        layouts (e.g. padded sequences: count the non-padding tokens)."""
-        return count_batch(batch)
+    count_batch = staticmethod(count_batch)
+    """``count_batch(batch) -> (samples, tokens)`` of a (micro-)batch, for ``step_stats`` and
+    throughput. Default: `dream_trainer.trainer.telemetry.count_batch` itself (no wrapper:
+    the loop calls it for every batch). Override it with a method ``count_batch(self,
+    batch)`` for other layouts (e.g. padded sequences: count the non-padding tokens)."""
 
     @contextmanager
     def no_gradient_sync(self) -> Iterator[None]:

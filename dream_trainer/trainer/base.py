@@ -307,7 +307,7 @@ class BaseTrainer(AbstractTrainer):
         losses = RunningMean() if self.callbacks.listens("post_train_epoch") else None  # its reader's; on the device
         start = batch_idx = self.local_batches - 1  # > -1 when resuming mid-epoch
         path, position = self.step_path, self.data_position
-        path.fetch_start = path.step_end = self.goodput.fetching()  # the first wait includes making the iterator
+        path.step_end = self.goodput.fetching(path)  # the ledger follows the path's clock; the first wait makes the iterator
         try:
             batches = position.epoch_batches(self.train_dataloader, self, self.world, self.gradient_accumulation_steps)
             position.iterating = True
@@ -320,7 +320,7 @@ class BaseTrainer(AbstractTrainer):
                     losses.add(loss)
                 if done:
                     break
-                path.fetch_start = self.goodput.fetching()  # a perf_counter read
+                path.fetch_start = time.perf_counter()  # the next fetch (the ledger's "data" from here)
             else:
                 position.epoch_complete = True  # not cut short by max_steps: a resume starts the next epoch
         finally:  # also when a step raises (StopTraining, a failure): no stale per-step flag
@@ -347,7 +347,8 @@ class BaseTrainer(AbstractTrainer):
         ``training_step`` -> `step`); a step the callbacks may retry goes through `Stepper.recoverable`."""
         accumulating, log_kind = self._open_batch(batch, batch_idx, is_last)
         batch = self.world.transfer(batch) if self.world.transfer.moves else batch
-        cb, stats = self.callbacks, self.stepper.path.stats
+        cb, path = self.callbacks, self.stepper.path
+        stats = path.stats
         if cb.recovers_errors:
             skipped, result, loss = self.stepper.recoverable(batch, batch_idx, accumulating, self._contexts_step)
         else:
@@ -355,13 +356,13 @@ class BaseTrainer(AbstractTrainer):
             skipped = cb.skips_batches and self.stepper.skip_batch(ends_step=not accumulating)
             result, loss = {}, None
             if not skipped:
-                started = self.stepper.compute_starts()  # perf_counter; the watchdog's phase "training_step"
-                try:
-                    if accumulating or cb.has_train_context or self.world.train_context() is not None:
-                        result = self._run_step(self.training_step, batch, batch_idx, "train_context", accumulating)
-                    else:  # no context to enter
-                        result = detach_result(self.training_step(batch, batch_idx), "training_step")
-                finally:
+                collectives, timed = self.world.collectives, path.times_wanted  # `request_step_times`
+                started = collectives.compute_starts() if collectives.tracking else time.perf_counter() if timed else 0.0
+                if accumulating or cb.has_train_context or self.world.train_context() is not None:
+                    result = self._run_step(self.training_step, batch, batch_idx, "train_context", accumulating)
+                else:  # no context to enter
+                    result = detach_result(self.training_step(batch, batch_idx), "training_step")
+                if timed:
                     stats.compute_s += time.perf_counter() - started
                 loss = stats.add_loss(result.get("loss"))
         return loss, self._close_batch(batch_idx, accumulating, log_kind, skipped, result)
@@ -371,15 +372,15 @@ class BaseTrainer(AbstractTrainer):
         telemetry: ``(accumulating, log step kind)``."""
         step, max_steps = self.global_step + 1, self.config.training_parameters.max_steps
         self.local_batches = batch_idx + 1
-        accumulating = not is_last and (batch_idx + 1) % self.gradient_accumulation_steps != 0
+        self.stepper.accumulation = accumulation = self.gradient_accumulation_steps  # read once a batch
+        accumulating = not is_last and (batch_idx + 1) % accumulation != 0
         self.is_accumulating_gradients = accumulating
         self.is_last_batch = is_last or (not accumulating and max_steps is not None and step >= max_steps)
         log_kind = 2 if self.is_last_batch and max_steps is not None and step >= max_steps else (  # the run's last
             self.metric_log.step_kind(step, self.config.logging_parameters.log_every_n_steps, self.callbacks.log_intervals))
         self.metric_log.gate = not accumulating and log_kind > 0
         self.stepper.loss_weight = getattr(batch, "loss_weight", None)  # before the transfer: this batch's own
-        self.goodput.arrived()
-        self.stepper.batch_arrived(batch, step)
+        self.stepper.batch_arrived(batch, step, time.perf_counter())
         return accumulating, log_kind
 
     def _close_batch(self, batch_idx: int, accumulating: bool, log_kind: int, skipped: bool,
@@ -391,8 +392,7 @@ class BaseTrainer(AbstractTrainer):
         step, max_steps = self.global_step + 1, training.max_steps
         kind = 0 if accumulating else log_kind
         means = log_.step_means(step, result, accumulating) if log_kind == 2 and not skipped else None
-        step_skipped = not accumulating and self.stepper.end_step()
-        self.goodput.step_end(step_skipped, accumulating)
+        step_skipped = not accumulating and self.stepper.end_step()  # the goodput ledger reads its clock there
         log = kind > 0 and not step_skipped
         own: dict[str, Any] = {}
         if kind == 2 and log and means is not None:  # the trainer's own metrics

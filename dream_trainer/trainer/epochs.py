@@ -57,9 +57,11 @@ def loader_length(loader: object) -> int | None:
 
 
 def numbered(iterator: Iterator[Any], count: int) -> Iterator[tuple[Any, bool]]:
-    """``(batch, is_last)`` for the first `count` batches of `iterator` (its length is known)."""
-    for i, batch in enumerate(itertools.islice(iterator, count)):
-        yield batch, i + 1 == count
+    """``(batch, is_last)`` for the first `count` batches of `iterator` (its length is known).
+    Built of C iterators (no Python frame per batch); the batches are pulled first, so none
+    is fetched past the `count`-th."""
+    last = itertools.chain(itertools.repeat(False, count - 1), (True,))
+    return zip(itertools.islice(iterator, count), last)
 
 
 def with_last(loader: Iterable[Any], limit: int | None,

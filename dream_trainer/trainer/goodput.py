@@ -16,11 +16,14 @@ time by construction:
   job was down and this attempt's start-up (launch, build, loading);
 - ``other``: the rest: start-up of a first attempt, epoch boundaries, teardown.
 
-The trainer switches the part at a few points (the fetch of a batch, its arrival, a step's
-end, validation, the loop's start and end): each switch is one ``time.perf_counter()`` and
-two dict additions, no device sync. Plug-ins meet it through two public seams: `timed`
-(``with trainer.goodput.timed("checkpoint"): ...``) and `add` (time already spent, moved out
-of the part it was counted in). A resumed run continues the ledger (`state_dict` /
+In the training loop the ledger makes no call of its own per batch or step: it reads the
+step path's clock (`LoopClock`: when the current fetch began, when the last batch arrived,
+when the last optimizer step ended, the loop's data wait so far), which the loop keeps
+anyway, and splits the time between its own reads into ``data`` and ``productive`` from it.
+It reads (no device sync) at a skipped step (`step_skipped`), at validation, at the loop's
+start and end, and wherever a plug-in meets it through its two public seams: `timed` (``with trainer.goodput.timed(
+"checkpoint"): ...``) and `add` (time already spent, moved out of the part it was counted
+in). A resumed run continues the ledger (`state_dict` /
 `load_state_dict`, a part of the trainer's state); a fault-tolerant heal does not replace it.
 """
 
@@ -32,7 +35,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from dream_trainer.serialization import dumps, loads
 
@@ -43,6 +46,17 @@ KINDS = ("productive", "data", "checkpoint", "validation", "compile", "heal", "s
 NAMED = frozenset(KINDS) - {"productive", "other"}
 """The parts `timed` and `add` take."""
 GOODPUT_FILE = "goodput.json"
+
+
+class LoopClock(Protocol):
+    """What the ledger reads of the training loop (`dream_trainer.trainer.step_path.StepPath`
+    is one): ``perf_counter`` instants and the loop's data wait so far."""
+
+    fetch_start: float  # when the current (or last) batch was asked for
+    arrived_at: float  # when the last batch arrived (< fetch_start: a fetch is under way)
+    data_total: float  # seconds waited for batches, fetches that ended only
+    ended_at: float  # when the last optimizer step ended
+    data_at_end: float  # `data_total` then
 
 
 class GoodputLedger:
@@ -58,9 +72,10 @@ class GoodputLedger:
         self._parts = dict.fromkeys(KINDS, 0.0)  # this attempt's
         self._carried = dict.fromkeys(KINDS, 0.0)  # the earlier attempts', from a checkpoint
         self._stack: list[str] = []  # named parts entered with `timed` / `push`, innermost last
-        self._base = "other"  # "other", or in the training loop "data" / "productive"
+        self._clock: LoopClock | None = None  # in the training loop: its clock (else the base part is "other")
+        self._data_seen = 0.0  # the clock's data wait up to `_mark`
         self._mark: float | None = None  # perf_counter of the last switch; None: not running
-        self._step_productive = 0.0  # productive time of the optimizer step in progress
+        self._step_productive = 0.0  # productive time of the optimizer step in progress, up to `_mark`
         self._resumed_from: float | None = None  # time.time() of the loaded state: a restart to account
         self._stepping = False  # a batch was fetched in this fit(): a later load is a heal
         self.attempts = 1
@@ -70,37 +85,35 @@ class GoodputLedger:
     def start(self) -> None:
         """`fit()` begins: this attempt's clock starts (in ``other``)."""
         self._parts = dict.fromkeys(KINDS, 0.0)
-        self._stack, self._base, self._step_productive, self._stepping = [], "other", 0.0, False
+        self._stack, self._clock, self._step_productive, self._stepping = [], None, 0.0, False
         self._mark = time.perf_counter()
 
-    def fetching(self) -> float:
-        """The loop asks for the next batch (``data`` until `arrived`); returns the clock read."""
+    def fetching(self, clock: LoopClock) -> float:
+        """The training loop starts and asks for its first batch: from here its time is
+        ``data`` or ``productive`` as `clock` says (see the module docstring). Sets and
+        returns ``clock.fetch_start`` (the clock read)."""
         now = time.perf_counter()
-        self._switch(now, "data")
+        self._flush(now)
+        clock.fetch_start = now
+        self._clock, self._data_seen = clock, clock.data_total  # a fetch just began: nothing of it waited yet
+        self._step_productive = 0.0
         self._stepping = True
         if self._resumed_from is not None:
             self._account_restart(self._resumed_from)
         return now
 
-    def arrived(self) -> None:
-        """The batch arrived: ``productive`` from here."""
-        self._switch(time.perf_counter(), "productive")
-
-    def step_end(self, skipped: bool, accumulating: bool = False) -> None:
-        """An optimizer step ended (`accumulating`: only a micro-batch did); a `skipped` step's
-        productive time moves to ``skipped``."""
-        if accumulating:
-            return
-        self._switch(time.perf_counter(), "productive")
-        if skipped:
-            self._parts["productive"] -= self._step_productive
-            self._parts["skipped"] += self._step_productive
+    def step_skipped(self, now: float) -> None:
+        """The optimizer step in progress is skipped and ends at `now` (``perf_counter``),
+        before its end reaches the clock: its productive time moves to ``skipped``."""
+        self._flush(now)
+        self._parts["productive"] -= self._step_productive
+        self._parts["skipped"] += self._step_productive
         self._step_productive = 0.0
 
     def idle(self) -> None:
         """The training loop ended (an epoch's end, or the run's): ``other`` from here."""
         self._flush(time.perf_counter())
-        self._base = "other"
+        self._clock = None
 
     def finish(self, run_dir: str | Path | None = None, report: bool = True) -> dict[str, Any]:
         """`fit()` ends: stop the clock; with `report`, log the table at INFO and write
@@ -109,7 +122,7 @@ class GoodputLedger:
         if self._mark is not None:
             self._flush(time.perf_counter())
             self._mark = None
-        self._stack, self._base = [], "other"
+        self._stack, self._clock = [], None
         summary = self.summary()
         if report:
             logger.info("goodput: %s", self.table())
@@ -220,22 +233,41 @@ class GoodputLedger:
     # ------------------------------------------------------------------ internals
     @property
     def _current(self) -> str:
-        return self._stack[-1] if self._stack else self._base
+        if self._stack:
+            return self._stack[-1]
+        clock = self._clock
+        if clock is None:
+            return "other"
+        return "data" if clock.fetch_start > clock.arrived_at else "productive"
 
     def _flush(self, now: float) -> None:
-        self._switch(now, self._base)
-
-    def _switch(self, now: float, base: str) -> None:
-        """`_flush` to `now`, then `base` is the loop's part: one call on the step's path."""
+        """Count the time since the last read (`_mark`) into the part running: the innermost
+        named part, else ``other`` outside the loop, else the loop's clock splits it into
+        ``data`` and ``productive``."""
         mark = self._mark
-        if mark is not None:
-            elapsed = now - mark
-            current = self._stack[-1] if self._stack else self._base
-            self._parts[current] += elapsed
-            if current == "productive":
-                self._step_productive += elapsed
-            self._mark = now
-        self._base = base
+        if mark is None:
+            return
+        elapsed, self._mark = now - mark, now
+        parts, clock = self._parts, self._clock
+        if clock is None:
+            parts[self._stack[-1] if self._stack else "other"] += elapsed
+            return
+        data_wait = clock.data_total  # the loop's data wait up to `now`: the ended fetches'
+        if clock.fetch_start > clock.arrived_at:  # and the one under way
+            data_wait += now - clock.fetch_start
+        data, self._data_seen = data_wait - self._data_seen, data_wait
+        if self._stack:  # a named part (e.g. a heal inside a fetch): none of it is data
+            parts[self._stack[-1]] += elapsed
+            productive = 0.0
+        else:
+            productive = max(0.0, elapsed - data)
+            parts["data"] += elapsed - productive
+            parts["productive"] += productive
+        if clock.ended_at > mark:  # a step ended since the last read: the current step's began there
+            self._step_productive = 0.0 if self._stack else max(
+                0.0, (now - clock.ended_at) - (data_wait - clock.data_at_end))
+        else:
+            self._step_productive += productive
 
     def _account_restart(self, resumed_from: float) -> None:
         """The first batch after a resume: everything since the checkpoint took its state

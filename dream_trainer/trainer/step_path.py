@@ -58,12 +58,17 @@ class StepPath:
         self.skipped_batches = 0
         self.grad_norm_wanted = False  # `request_grad_norm`: every step, not only when clipping or logging
         self.backward_loss_wanted = False  # `request_backward_loss`
+        self.times_wanted = False  # `request_step_times`: compute_s and optimizer_s measured
         self.open = False  # a step began (its first micro-batch arrived) and has not ended
         self.stepped = False  # the open step's update was applied
         self.agreed = False  # the ranks agreed that no rank's training_step failed (recovers_errors)
         self.timeout_relaxed = False  # the first step of this fit() relaxed the world's timeout
         self.step_end = 0.0  # perf_counter at the end of the last step
-        self.fetch_start = 0.0  # perf_counter when the next batch was asked for
+        self.fetch_start = 0.0  # perf_counter when the next batch was asked for (the loop sets it)
+        self.arrived_at = 0.0  # perf_counter when the last batch arrived (< fetch_start: fetching)
+        self.data_total = 0.0  # seconds the loop waited for batches (the goodput ledger's clock)
+        self.ended_at = 0.0  # perf_counter at the end of the last optimizer step (validation does not move it)
+        self.data_at_end = 0.0  # `data_total` then
         self._veto: str | None = None
         self._veto_flag: tuple[torch.Tensor, str] | None = None
         self._batch_skip: str | None = None
@@ -131,10 +136,17 @@ class StepPath:
         opened a step (its per-step telemetry reset first)."""
         stats, opened = self.stats, not self.open
         if opened:
-            stats.begin()
+            stats.begin(self.times_wanted)
             self.open, self.stepped = True, False
-        stats.data_wait_s += now - self.fetch_start
-        stats.count(samples, tokens)
+        wait = now - self.fetch_start
+        stats.data_wait_s += wait
+        self.data_total += wait
+        self.arrived_at = now
+        stats.samples += samples
+        stats.total_samples += samples
+        if tokens is not None:
+            stats.tokens = (stats.tokens or 0) + tokens
+            stats.total_tokens = (stats.total_tokens or 0) + tokens
         return opened
 
     @property
@@ -158,6 +170,7 @@ class StepPath:
             self.skipped_steps += 1
             step -= 1
         stats.step, stats.step_time_s, self.step_end = step, now - self.step_end, now
+        self.ended_at, self.data_at_end = now, self.data_total
         self.open = False
         return skipped
 

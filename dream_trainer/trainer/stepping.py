@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
     from dream_trainer.configs import TrainerConfig
     from dream_trainer.protocol.collection import CallbackCollection
+    from dream_trainer.trainer.goodput import GoodputLedger
     from dream_trainer.trainer.metric_log import MetricLog
     from dream_trainer.world.world import DistributedWorld
 
@@ -41,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 _MAX_RETRIES = 4
 """How often one (micro-)batch is retried after failures the callbacks recover."""
+
+_any_autocast: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+"""Whether autocast is on for any device (torch's own fast check; without it, assume it may be)."""
 
 StepResult = tuple[bool, dict[str, Any], torch.Tensor | None]
 """What a (micro-)batch's step gives the loop: ``(skipped, result, its scalar loss or None)``."""
@@ -62,6 +66,7 @@ class StepOwner(Protocol):
     callbacks: CallbackCollection
     config: TrainerConfig
     metric_log: MetricLog
+    goodput: GoodputLedger
     global_step: int
     current_epoch: int
     local_batches: int
@@ -69,9 +74,6 @@ class StepOwner(Protocol):
 
     @property
     def vetoes_steps(self) -> bool: ...
-
-    @property
-    def gradient_accumulation_steps(self) -> int: ...
 
     def named_models(self) -> dict[str, nn.Module]: ...
 
@@ -93,10 +95,11 @@ class Stepper:
         self.trainer = trainer
         self.path = StepPath()
         self.loss_weight: float | None = None  # the current micro-batch's (its batch's ``loss_weight``)
+        self.accumulation = 1  # micro-batches per optimizer step (the loop sets it with each batch)
         self.stragglers = StragglerMeter()  # this rank's work per step, compared across ranks at log steps
 
     # ------------------------------------------------------------------ the step API's work
-    def backward(self, loss: torch.Tensor, accumulation: int, **kwargs: Any) -> None:
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, scaled by 1/`accumulation` when accumulating and by the
         micro-batch's `loss_weight` when it carries one other than 1, after the agreement
         of `before_backward`. Inside a collective region only where there are peers."""
@@ -105,12 +108,13 @@ class Stepper:
             self.before_backward()
         if path.backward_loss_wanted:  # a monitor decides on this step's loss before its update
             path.stats.add_backward(loss)
-        weight = self.loss_weight
+        weight, accumulation = self.loss_weight, self.accumulation
         if weight is not None and weight != 1:  # an uneven share of the global batch: one multiply
             loss = loss * (weight / accumulation)
         elif accumulation > 1:
             loss = loss / accumulation
-        collectives, autocast = trainer.world.collectives, torch.is_autocast_enabled(loss.device.type)
+        collectives = trainer.world.collectives
+        autocast = _any_autocast() and torch.is_autocast_enabled(loss.device.type)  # the first check: one C call
         if not collectives.tracking and not autocast:  # one rank: nothing to wait for
             loss.backward(**kwargs)
             return
@@ -180,11 +184,11 @@ class Stepper:
         self.path.veto_if(flag, reason)
 
     # ------------------------------------------------------------------ the loop's side
-    def batch_arrived(self, batch: Any, step: int) -> None:
-        """Telemetry of a new micro-batch of optimizer step `step` (before it moves to the
-        device): the data wait since the previous batch was done, its samples/tokens; the
+    def batch_arrived(self, batch: Any, step: int, now: float) -> None:
+        """Telemetry of a new micro-batch of optimizer step `step`, arrived at `now` (before
+        it moves to the device): the data wait since its fetch began, its samples/tokens; the
         step's `on_step_begin` when the batch opens it."""
-        trainer, now = self.trainer, time.perf_counter()
+        trainer = self.trainer
         collectives = trainer.world.collectives
         if collectives.tracking:
             collectives.batch_arrived(step, now)
@@ -224,7 +228,8 @@ class Stepper:
         try:
             result = self._recoverable_step(given, batch_idx, accumulating, attempt, run)
         finally:
-            stats.compute_s += time.perf_counter() - started
+            if self.path.times_wanted:
+                stats.compute_s += time.perf_counter() - started
         return False, result, stats.add_loss(result.get("loss"))
 
     def _recoverable_step(self, batch: Any, batch_idx: int, accumulating: bool, attempt: int,
@@ -290,9 +295,12 @@ class Stepper:
 
     def end_step(self) -> bool:
         """The end of an optimizer step (the last micro-batch of a group): advance
-        ``global_step`` unless the step was skipped, record its time. Whether it was skipped."""
+        ``global_step`` unless the step was skipped, record its time (in the step's telemetry,
+        which is also the goodput ledger's clock). Whether it was skipped."""
         path, trainer = self.path, self.trainer
         now, world = time.perf_counter(), trainer.world
+        if path.stats.skipped is not None and path.skipped:  # the ledger moves its time before `path.end`
+            trainer.goodput.step_skipped(now)
         skipped = path.end(trainer.global_step + 1, now)  # raises for a veto no step took
         collectives = world.collectives
         if collectives.tracking:  # the stragglers compare ranks

@@ -8,6 +8,7 @@ times are host clocks; sample and token counts come from the batches' shapes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,8 +48,9 @@ class StepStats:
         compute_s: the part inside ``training_step`` (forward, backward and the optimizer
             step it calls), host time: on CUDA it is device time only where something
             synchronized (`PerformanceReportCallback` does on the steps it measures).
+            Measured once something called ``trainer.request_step_times()``, else NaN.
         optimizer_s: the part inside ``trainer.step(optimizer)``: clipping, the optimizer
-            hooks, the update, ``zero_grad`` and the schedulers.
+            hooks, the update, ``zero_grad`` and the schedulers. Measured as `compute_s`.
         skipped: why this step was skipped (a veto, a skipped batch), else None.
         backward_loss: the mean of the losses passed to ``trainer.backward`` in this step so
             far (unscaled, a device tensor): complete in `pre_optimizer_step`, where a
@@ -69,8 +71,8 @@ class StepStats:
     world_tokens: int | None = None
     step_time_s: float = 0.0
     data_wait_s: float = 0.0
-    compute_s: float = 0.0
-    optimizer_s: float = 0.0
+    compute_s: float = math.nan
+    optimizer_s: float = math.nan
     skipped: str | None = None
     backward_sum: torch.Tensor | None = None
     backward_count: int = 0
@@ -93,13 +95,15 @@ class StepStats:
             return None
         return self.loss_sum if self.micro_batches == 1 else self.loss_sum / self.micro_batches  # no op for one
 
-    def begin(self) -> None:
-        """Reset the per-step fields (the running totals stay)."""
+    def begin(self, timed: bool = False) -> None:
+        """Reset the per-step fields (the running totals stay); `timed`: the step's
+        `compute_s` and `optimizer_s` are measured (else NaN)."""
         self.micro_batches = self.samples = 0
         self.loss_sum = self.tokens = self.skipped = self.backward_sum = None
         self.backward_count = 0
         self.grad_norm, self.clip_limit, self.lr = {}, {}, {}
-        self.data_wait_s = self.compute_s = self.optimizer_s = 0.0
+        self.data_wait_s = 0.0
+        self.compute_s = self.optimizer_s = 0.0 if timed else math.nan
 
     def add_backward(self, loss: torch.Tensor) -> None:
         value = loss.detach()
@@ -107,13 +111,6 @@ class StepStats:
             value = value.float().mean()
         self.backward_sum = value if self.backward_sum is None else self.backward_sum + value
         self.backward_count += 1
-
-    def count(self, samples: int, tokens: int | None) -> None:
-        self.samples += samples
-        self.total_samples += samples
-        if tokens is not None:
-            self.tokens = (self.tokens or 0) + tokens
-            self.total_tokens = (self.total_tokens or 0) + tokens
 
     def add_loss(self, loss: Any) -> torch.Tensor | None:
         """Count a micro-batch and add its ``loss`` result; returns that loss as a float32

@@ -32,6 +32,9 @@ class AutoAnalyzer(Callback[BaseTrainer]):
         self.recent: deque[tuple[float, float, float]] = deque(maxlen=window)
         self.findings: dict[str, str] = {}
 
+    def pre_fit(self) -> None:
+        self.trainer.request_step_times()  # optimizer_s is measured only when asked
+
     def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
         trainer = self.trainer
         if trainer.is_accumulating_gradients or trainer.step_skipped:

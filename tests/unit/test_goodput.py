@@ -18,32 +18,64 @@ from dream_trainer import (Callback, CheckpointParameters, DeviceParameters, Tra
 from dream_trainer.callbacks import CheckpointCallback
 from dream_trainer.testing import ToyTrainer
 from dream_trainer.trainer.goodput import KINDS, GoodputLedger
+from dream_trainer.trainer.step_path import StepPath
 
 
 # -------------------------------------------------------------------- the ledger alone
+def _arrive(clock):
+    clock.arrive(time.perf_counter(), 1, None)
+
+
 def test_switches_and_seams_put_every_moment_in_one_part():
-    ledger = GoodputLedger()
+    ledger, clock = GoodputLedger(), StepPath()  # the loop's clock: the ledger reads it, the loop keeps it
     ledger.start()
-    ledger.fetching()
-    ledger.arrived()
+    ledger.fetching(clock)
+    time.sleep(0.01)  # waiting for the batch
+    _arrive(clock)
     with ledger.timed("checkpoint"):
         with ledger.timed("validation"):  # nested: the innermost counts
             time.sleep(0.01)
-    ledger.step_end(skipped=False)
-    ledger.fetching()
-    ledger.arrived()
+    clock.end(1, time.perf_counter())  # a step ends: the ledger reads it from the clock, no call
+    clock.fetch_start = time.perf_counter()
+    _arrive(clock)
     time.sleep(0.01)
-    ledger.step_end(skipped=True)  # its productive time is skipped time
+    with ledger.timed("compile"):  # a named part inside the skipped step stays what it is
+        time.sleep(0.01)
+    time.sleep(0.01)
+    now = time.perf_counter()
+    ledger.step_skipped(now)  # its productive time is skipped time
+    clock.end(2, now)
+    time.sleep(0.01)  # the next step's (productive)
     summary = ledger.finish(report=False)
     parts = summary["parts_s"]
-    assert parts["validation"] >= 0.01 and parts["skipped"] >= 0.01 and set(parts) == set(KINDS)
+    assert parts["data"] >= 0.01 and parts["data"] == pytest.approx(clock.data_total)
+    assert parts["validation"] >= 0.01 and parts["compile"] >= 0.01 and set(parts) == set(KINDS)
+    assert parts["skipped"] >= 0.02 and parts["productive"] >= 0.01
     assert sum(parts.values()) == pytest.approx(summary["wall_s"])
     ledger.start()  # a new fit(): this attempt's parts start again
-    ledger.arrived()
+    ledger.fetching(clock)
+    _arrive(clock)
     time.sleep(0.01)
     moved = ledger.add("compile", 10.0)  # at most what the running part holds
     parts = ledger.finish(report=False)["parts_s"]
     assert 0.01 <= moved < 10.0 and parts["compile"] == moved and parts["productive"] < moved
+
+
+def test_a_named_part_inside_a_fetch_is_not_data_and_a_read_mid_fetch_splits_it():
+    ledger, clock = GoodputLedger(), StepPath()
+    ledger.start()
+    fetch_start = ledger.fetching(clock)
+    time.sleep(0.01)
+    assert ledger.parts()["data"] >= 0.01  # read while the fetch is under way: its wait so far is data
+    with ledger.timed("heal"):  # a fault-tolerant quorum that heals inside the fetch
+        time.sleep(0.02)
+    time.sleep(0.01)
+    _arrive(clock)
+    wait = clock.arrived_at - fetch_start
+    time.sleep(0.01)
+    parts = ledger.finish(report=False)["parts_s"]
+    assert parts["heal"] >= 0.02 and parts["data"] >= 0.02 and parts["productive"] >= 0.01
+    assert parts["data"] + parts["heal"] == pytest.approx(wait)  # the telemetry's wait holds both; the ledger splits it
 
 
 def test_bad_parts_and_seconds_are_refused():
@@ -67,7 +99,7 @@ def test_a_loaded_ledger_continues_and_counts_the_restart_but_a_heal_does_not_re
     second = GoodputLedger()
     second.start()
     second.load_state_dict(state)
-    second.fetching()  # the first step of the new attempt
+    second.fetching(StepPath())  # the first step of the new attempt
     parts = second.finish(report=False)["parts_s"]
     assert parts["validation"] == pytest.approx(first.parts()["validation"], abs=1e-3) and parts["restart"] >= 0.02
     assert second.attempts == 2

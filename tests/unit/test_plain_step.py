@@ -5,6 +5,7 @@ soon as something uses it."""
 
 from __future__ import annotations
 
+import math
 import sys
 from collections import Counter
 from typing import Any
@@ -26,7 +27,7 @@ NOT_ON_A_PLAIN_STEP = {
 } | {
     ("dream_trainer.world.world", "sync_gradients"), ("dream_trainer.world.world", "agree_on_step"),
     ("dream_trainer.world.stragglers", "add"), ("dream_trainer.trainer.stepping", "before_backward"),
-    ("dream_trainer.trainer.stepping", "_sync_and_clip"),
+    ("dream_trainer.trainer.goodput", "fetching"),  # the ledger reads the step path's clock: no call per fetch
 }
 
 
@@ -78,7 +79,7 @@ def test_a_plain_one_rank_step_dispatches_no_hook_region_mark_or_seam(tmp_path):
     assert not made, made
     assert not trainer.world.collectives.tracking and not trainer.world.step_seams
     per_step = sum(calls.calls.values()) / 4
-    assert per_step <= 33, (per_step, calls.calls.most_common())  # 31 here; 66 before the flat path
+    assert per_step <= 25, (per_step, calls.calls.most_common())  # 22 here; 31 before the ledger read the path's clock, 66 before the flat path
 
 
 class _StepHooks(Callback[Any]):
@@ -155,3 +156,24 @@ def test_a_skip_step_no_optimizer_step_took_is_an_error_at_the_steps_end(tmp_pat
     with pytest.raises(RuntimeError, match=r"skip_step\(\) was called but no trainer.step\(optimizer\) followed"):
         trainer.fit()
     assert not trainer.step_path.veto_pending  # cleared: a later fit() does not inherit it
+
+
+class _Times(Callback[Any]):
+    """Reads the step's times after every step; asks for them from step 4 on."""
+
+    def __init__(self) -> None:
+        self.times: dict[int, tuple[float, float]] = {}
+
+    def on_step_end(self, step: int) -> None:
+        stats = self.trainer.step_stats
+        self.times[step] = (stats.compute_s, stats.optimizer_s)
+        if step == 3:
+            self.trainer.request_step_times()
+
+
+def test_step_times_are_measured_once_asked_for_and_nan_until_then(tmp_path):
+    times = _Times()
+    _trainer(tmp_path, (times,)).fit()
+    assert all(math.isnan(c) and math.isnan(o) for step, (c, o) in times.times.items() if step <= 3)
+    measured = [times.times[step] for step in range(4, 9)]  # from the next step on
+    assert all(c > 0 and 0 < o < c for c, o in measured), measured  # the optimizer's part is inside the compute
