@@ -153,24 +153,26 @@ class Stepper:
         """Before an update: the gradient sync seam (a no-op but across replica groups),
         then clipping to ``gradient_clip_val`` or, where something reads it, the norm; in
         the step's telemetry. The pre-clip norm (a device tensor) or None."""
-        trainer = self.trainer
-        world, path = trainer.world, self.path
-        collectives = world.collectives
-        if collectives.tracking:
+        collectives = self.trainer.world.collectives
+        if collectives.tracking:  # a region only where there are peers (a hang is named there)
             collectives.phase = "optimizer step"
-        # A region only where there are peers (a hang is named there); one rank: no region.
-        with collectives.region("gradient sync and norm (the optimizer step)") if collectives.tracking \
-                else contextlib.nullcontext():
-            if world.step_seams:
-                world.sync_gradients(route.params)
-            clip = trainer.config.training_parameters.gradient_clip_val
-            if clip is not None:
-                norm = path.stats.grad_norm[route.name] = world.clip_grad_norm_(route.params, clip)
-                path.stats.clip_limit[route.name] = clip  # `stats.clipped` compares when read
-                return norm
-            if path.grad_norm_wanted or (trainer.metric_log.gate and trainer.config.logging_parameters.log_grad_norm):
-                norm = path.stats.grad_norm[route.name] = world.total_gradient_norm(route.params)
-                return norm
+            with collectives.region("gradient sync and norm (the optimizer step)"):
+                return self._sync_and_clip(route)
+        return self._sync_and_clip(route)  # one rank: no region (and no context manager to enter)
+
+    def _sync_and_clip(self, route: OptimizerRoute) -> torch.Tensor | None:
+        trainer, path = self.trainer, self.path
+        world = trainer.world
+        if world.step_seams:
+            world.sync_gradients(route.params)
+        clip = trainer.config.training_parameters.gradient_clip_val
+        if clip is not None:
+            norm = path.stats.grad_norm[route.name] = world.clip_grad_norm_(route.params, clip)
+            path.stats.clip_limit[route.name] = clip  # `stats.clipped` compares when read
+            return norm
+        if path.grad_norm_wanted or (trainer.metric_log.gate and trainer.config.logging_parameters.log_grad_norm):
+            norm = path.stats.grad_norm[route.name] = world.total_gradient_norm(route.params)
+            return norm
         return None
 
     def skip_step(self, reason: str) -> None:

@@ -79,7 +79,7 @@ def test_a_plain_one_rank_step_dispatches_no_hook_region_mark_or_seam(tmp_path):
     assert not made, made
     assert not trainer.world.collectives.tracking and not trainer.world.step_seams
     per_step = sum(calls.calls.values()) / 4
-    assert per_step <= 25, (per_step, calls.calls.most_common())  # 22 here; 31 before the ledger read the path's clock, 66 before the flat path
+    assert per_step <= 25, (per_step, calls.calls.most_common())  # 20 here; 31 before the ledger read the path's clock, 66 before the flat path
 
 
 class _StepHooks(Callback[Any]):
