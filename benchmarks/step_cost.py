@@ -224,7 +224,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     wall = time.perf_counter() - start
     rows = _table(variants, pairs, args)
     if not with_lightning:
-        print("\n  lightning: not measured (not installed here; pip install lightning to add it)")
+        why = "--no-lightning" if args.no_lightning else "not installed here; pip install lightning to add it"
+        print(f"\n  lightning: not measured ({why})")
     result = {"variants": rows, "settings": vars(args), "machine": machine(), "wall_s": wall,
               "lightning": _lightning_version() if with_lightning else None}
     write_json(result, args.out)

@@ -3,7 +3,9 @@ and JSON, with plain-language findings."""
 
 from __future__ import annotations
 
+
 import json
+import math
 import logging
 import statistics
 from collections import deque
@@ -93,6 +95,9 @@ class PerformanceReportCallback(RankZeroCallback[BaseTrainer]):
         if trainer.is_accumulating_gradients or trainer.step_skipped or not self._measured_done():
             return
         s = trainer.step_stats
+        if math.isnan(s.compute_s):  # attached after pre_fit: its step times are measured from the next step on
+            trainer.request_step_times()
+            return
         self.rows.append({"step": s.step, "time": s.step_time_s, "data": s.data_wait_s, "compute": s.compute_s,
                           "optimizer": s.optimizer_s, "samples": s.samples, "tokens": s.tokens or 0})
 

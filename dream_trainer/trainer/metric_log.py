@@ -121,7 +121,10 @@ class MetricLog:
         `intervals`: only what was logged is sent); 0, not a log step."""
         if step % every == 0:
             return 2
-        return 1 if intervals and any(step % interval == 0 for interval in intervals) else 0
+        for interval in intervals:  # a loop, not any(<generator>): no frame per step
+            if step % interval == 0:
+                return 1
+        return 0
 
     def own_step_metrics(self, result: dict[str, Any], stats: StepStats, world: _StepWorld, epoch: int,
                          log_lr: bool, log_grad_norm: bool) -> dict[str, Any]:
