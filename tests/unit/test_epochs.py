@@ -10,7 +10,7 @@ import pytest
 
 from dream_trainer.configs import TrainingParameters
 from dream_trainer.trainer.data_position import DataPosition
-from dream_trainer.trainer.epochs import loader_length, set_epoch
+from dream_trainer.trainer.epochs import loader_length, numbered, set_epoch
 
 
 class World:
@@ -137,3 +137,16 @@ def test_set_epoch_and_the_loader_length():
     set_epoch(loader, 3)
     assert loader.sampler.epoch == 3
     assert loader_length(loader) == 2 and loader_length(Unsized(2)) is None
+
+
+@pytest.mark.parametrize("count, expected", [(3, [(0, False), (1, False), (2, True)]), (1, [(0, True)]), (0, [])])
+def test_numbered_marks_the_last_batch_and_pulls_none_past_the_count(count, expected):
+    pulled = []
+
+    def source():
+        for i in range(5):
+            pulled.append(i)
+            yield i
+
+    assert list(numbered(source(), count)) == expected
+    assert pulled == list(range(count))  # a stateful loader's position: no batch fetched and dropped
