@@ -38,6 +38,8 @@ import argparse
 import gc
 import logging
 import statistics
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -220,9 +222,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         order = list(TRAINER_VARIANTS)
         schedule += order[r % n :] + order[: r % n]  # rotate which variant goes first
     raw = RawBeside(lambda batch: raw_step(trainer.model, trainer.optimizer, batch))
-    timer = Interleave(schedule, raw, args.callbacks, Path(args.out).parent / "overhead_perf")
+    scratch = Path(tempfile.mkdtemp(prefix="overhead_"))  # run dirs and the perf callbacks' files: not kept
+    timer = Interleave(schedule, raw, args.callbacks, scratch / "perf")
     config = TrainerConfig(
-        root_dir=str(Path(args.out).parent / "runs"),
+        root_dir=str(scratch / "runs"),
         device_parameters=DeviceParameters.SINGLE_DEVICE(),
         training_parameters=TrainingParameters(
             n_epochs=len(schedule), num_sanity_val_steps=0, validate_at_epoch_end=False
@@ -232,7 +235,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     trainer = BenchTrainer(config, init, raw.loader(batches), args)
     start = time.perf_counter()
-    trainer.fit()
+    try:
+        trainer.fit()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     wall = time.perf_counter() - start
 
     wall_stats = _stats(schedule, timer.times, args)
