@@ -3,10 +3,9 @@ and JSON, with plain-language findings."""
 
 from __future__ import annotations
 
-
 import json
-import math
 import logging
+import math
 import statistics
 from collections import deque
 from pathlib import Path

@@ -21,9 +21,9 @@ step path's clock (`LoopClock`: when the current fetch began, when the last batc
 when the last optimizer step ended, the loop's data wait so far), which the loop keeps
 anyway, and splits the time between its own reads into ``data`` and ``productive`` from it.
 It reads (no device sync) at a skipped step (`step_skipped`), at validation, at the loop's
-start and end, and wherever a plug-in meets it through its two public seams: `timed` (``with trainer.goodput.timed(
-"checkpoint"): ...``) and `add` (time already spent, moved out of the part it was counted
-in). A resumed run continues the ledger (`state_dict` /
+start and end, and wherever a plug-in meets it through its two public seams: `timed`
+(``with trainer.goodput.timed("checkpoint"): ...``) and `add` (time already spent, moved out
+of the part it was counted in). A resumed run continues the ledger (`state_dict` /
 `load_state_dict`, a part of the trainer's state); a fault-tolerant heal does not replace it.
 """
 
