@@ -215,6 +215,9 @@ class CallbackCollection(DispatchMixin):
                                    or self._h_on_step_end)
         self.has_optimizer_hooks = bool(self._h_pre_optimizer_step or self._h_post_optimizer_step
                                         or self._h_pre_optimizer_zero_grad or self._h_post_optimizer_zero_grad)
+        #: The hooks some active callback overrides: the step's call sites test a hook here
+        #: (a set lookup) and make no call for one nobody overrides.
+        self.overridden = frozenset(hook for hook in HOOKS if getattr(self, "_h_" + hook))
         #: Whether any callback returns a context for training / validation steps.
         self.has_train_context = bool(self._contexts["train_context"])
         self.has_validation_context = bool(self._contexts["validation_context"])

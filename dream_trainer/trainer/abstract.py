@@ -190,9 +190,9 @@ class AbstractTrainer(ABC):
         try:
             route = path.routes.get(id(optimizer)) or path.route(optimizer, stepper.make_route)
             norm = stepper.clip(route)  # the gradient sync seam, then clipping or the norm (if any is due)
-            hooks = cb.has_optimizer_hooks
+            hooks = cb.overridden  # the optimizer hooks some callback overrides (none: no dispatch)
             owner = model if model is not None else route.model
-            vetoes = cb.pre_optimizer_step(owner, optimizer) if hooks else None
+            vetoes = cb.pre_optimizer_step(owner, optimizer) if "pre_optimizer_step" in hooks else None
             # What optimizer.step() sees: read after pre_optimizer_step (a warm-up may set
             # it there); schedulers step after.
             stats.lr[route.name] = optimizer.param_groups[0]["lr"]
@@ -202,9 +202,10 @@ class AbstractTrainer(ABC):
             if reason is None:
                 optimizer.step()
                 path.stepped = True
-                if hooks:
+                if "post_optimizer_step" in hooks:
                     cb.post_optimizer_step(owner, optimizer)
-                    stepper.drop_gradients(owner, optimizer)
+                if "pre_optimizer_zero_grad" in hooks or "post_optimizer_zero_grad" in hooks:
+                    stepper.drop_gradients(owner, optimizer)  # zero_grad between its hooks
                 else:
                     optimizer.zero_grad(set_to_none=True)
                 for scheduler in route.schedulers:

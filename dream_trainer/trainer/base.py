@@ -352,7 +352,7 @@ class BaseTrainer(AbstractTrainer):
         if cb.recovers_errors:
             skipped, result, loss = self.stepper.recoverable(batch, batch_idx, accumulating, self._contexts_step)
         else:
-            batch = cb.pre_train_step(batch, batch_idx) if cb.has_step_hooks else batch
+            batch = cb.pre_train_step(batch, batch_idx) if "pre_train_step" in cb.overridden else batch
             skipped = cb.skips_batches and self.stepper.skip_batch(ends_step=not accumulating)
             result, loss = {}, None
             if not skipped:
@@ -399,11 +399,10 @@ class BaseTrainer(AbstractTrainer):
             logging_ = self.config.logging_parameters
             own = log_.own_step_metrics(means, self.step_path.stats, self.world, self.current_epoch, logging_.log_lr,
                                         logging_.log_grad_norm or training.gradient_clip_val is not None)
-        if cb.has_step_hooks:
-            if not skipped:
-                cb.post_train_step(result, batch_idx)
-            if not accumulating:
-                cb.on_step_end(step)
+        if not skipped and "post_train_step" in cb.overridden:
+            cb.post_train_step(result, batch_idx)
+        if not accumulating and "on_step_end" in cb.overridden:
+            cb.on_step_end(step)
         if log:
             log_.send_step(own)
         log_.gate = None

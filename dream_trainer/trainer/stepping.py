@@ -194,7 +194,7 @@ class Stepper:
         collectives = trainer.world.collectives
         if collectives.tracking:
             collectives.batch_arrived(step, now)
-        if self.path.arrive(now, *trainer.count_batch(batch)) and trainer.callbacks.has_step_hooks:
+        if self.path.arrive(now, *trainer.count_batch(batch)) and "on_step_begin" in trainer.callbacks.overridden:
             trainer.callbacks.on_step_begin(step)
 
     def compute_starts(self) -> float:

@@ -177,3 +177,25 @@ def test_step_times_are_measured_once_asked_for_and_nan_until_then(tmp_path):
     assert all(math.isnan(c) and math.isnan(o) for step, (c, o) in times.times.items() if step <= 3)
     measured = [times.times[step] for step in range(4, 9)]  # from the next step on
     assert all(c > 0 and 0 < o < c for c, o in measured), measured  # the optimizer's part is inside the compute
+
+
+class _PostOnly(Callback[Any]):
+    """Overrides one per-step hook, as most monitors do."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
+        self.steps += 1
+
+
+def test_a_callback_with_one_step_hook_makes_the_step_dispatch_that_hook_only(tmp_path):
+    calls, post = _Calls(), _PostOnly()
+    trainer = _trainer(tmp_path, (calls, post))
+    try:
+        trainer.fit()
+    finally:
+        sys.setprofile(None)
+    assert post.steps == 8 and trainer.callbacks.has_step_hooks
+    dispatched = {name for module, name in calls.calls if module == "dream_trainer.protocol.dispatch"}
+    assert dispatched == {"post_train_step"}, dispatched  # no empty on_step_begin, pre_train_step, on_step_end...
