@@ -207,14 +207,6 @@ class CallbackCollection(DispatchMixin):
         self.vetoes_steps = any(cb.vetoes_steps for cb in every)  # an instance may set its own
         self.skips_batches = any(cb.skips_batches for cb in every)
         self.recovers_errors = any(cb.recovers_errors for cb in every)
-        #: Whether any active callback overrides a per-step hook of the batch (``on_step_begin``,
-        #: ``pre_train_step``, ``post_train_step``, ``on_step_end``) / of the optimizer step
-        #: (``pre``/``post_optimizer_step``, ``pre``/``post_optimizer_zero_grad``): the loop
-        #: skips those dispatches when none does.
-        self.has_step_hooks = bool(self._h_on_step_begin or self._h_pre_train_step or self._h_post_train_step
-                                   or self._h_on_step_end)
-        self.has_optimizer_hooks = bool(self._h_pre_optimizer_step or self._h_post_optimizer_step
-                                        or self._h_pre_optimizer_zero_grad or self._h_post_optimizer_zero_grad)
         #: The hooks some active callback overrides: the step's call sites test a hook here
         #: (a set lookup) and make no call for one nobody overrides.
         self.overridden = frozenset(hook for hook in HOOKS if getattr(self, "_h_" + hook))
