@@ -17,7 +17,8 @@
 # RESULTS_DIR/<stage>.log, each benchmark's JSON to RESULTS_DIR/<name>.json (what
 # docs/benchmarks.md quotes, with the machine, device and versions inside). Optional packages
 # missing on the machine (torchao, torchdata, tyro, torchft, ...) are installed from wheels in
-# .whl/ beside the checkout when there are any (pip install --no-index --no-deps --target).
+# .whl/ beside the checkout ($WHEELS) when there are any (pip install --no-index --no-deps --target;
+# scripts/gpu_wheels.sh fetches them, on a machine with the registry).
 # A stage that fails is reported and the others still run; the exit status is the number of
 # failed stages. Where $OUT is set (a lent device machine), everything is also packed into
 # $OUT/gpu_check.tgz.
@@ -30,9 +31,10 @@ mkdir -p "$RESULTS"
 RESULTS=$(cd "$RESULTS" && pwd)
 export PYTHONUNBUFFERED=1
 
-if ! "$PY" -c "import torchao, torchdata, tyro, torchft, xxhash" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+WHEELS=${WHEELS:-.whl}
+if ! "$PY" -c "import torchao, torchdata, tyro, torchft, xxhash" 2>/dev/null && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   site=$(mktemp -d /tmp/dt_site.XXXX)
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl || exit 99
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$WHEELS"/*.whl || exit 99
   export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -55,6 +57,11 @@ fi
   "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda,
     [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())], [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())])"
   "$PY" -c "import torchao, tyro, torchft; print('torchao', torchao.__version__, 'tyro', tyro.__version__)" 2>&1 | tail -1
+  # Said up front, not found as test errors minutes later: an optional package that still does not import
+  # (scripts/gpu_wheels.sh fetches the whole set, dependencies included). The stages that need none still run.
+  for mod in torchao torchdata tyro torchft xxhash; do
+    err=$("$PY" -c "import $mod" 2>&1 | tail -1) || echo "WARNING: import $mod fails: $err (scripts/gpu_wheels.sh fetches the wheels)"
+  done
 } | tee "$RESULTS/environment.txt"
 
 failed=0
