@@ -283,7 +283,7 @@ class AbstractTrainer(ABC):
     @property
     def step_stats(self) -> StepStats:
         """What the step that just ended (or is running) measured: see `StepStats`."""
-        return self.step_path.stats
+        return self.stepper.path.stats  # read by monitors every step: one property, not two
 
     @property
     def skipped_steps(self) -> int:
@@ -299,7 +299,7 @@ class AbstractTrainer(ABC):
     def step_skipped(self) -> bool:
         """Whether the optimizer step that just ended was skipped (a veto or a skipped
         batch): ``global_step`` did not advance."""
-        return self.step_path.skipped
+        return self.stepper.path.skipped
 
     # ------------------------------------------------------------------ state
     # ------------------------------------------------------------------ state, configuration

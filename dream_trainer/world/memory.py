@@ -3,6 +3,7 @@ on CUDA, the process's resident set everywhere. Host reads only, never a device 
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import sys
@@ -13,6 +14,7 @@ import torch
 MB = 2**20
 
 _status_fd: tuple[int, int] | None = None  # (pid, descriptor) of /proc/self/status, kept open
+_statm_fd: tuple[int, int] | None = None  # (pid, descriptor) of /proc/self/statm, kept open
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,29 @@ def _kib(data: bytes, field: bytes) -> int:
     return int(data[start : data.index(b"kB", start)]) * 1024
 
 
+def allocated_bytes(device: torch.device) -> int:
+    """`MemoryStatus.allocated` alone, for a sample taken often: on CUDA the caching
+    allocator's counter (``torch.cuda.memory_allocated``: no syscall, no sync), elsewhere the
+    resident set from Linux ``/proc/self/statm`` (one small pread of a descriptor kept open;
+    ``/proc/self/status``, which `process_memory` reads for the peak too, costs the kernel
+    more) or, without ``/proc``, `process_memory`."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    global _statm_fd
+    try:
+        if _statm_fd is None or _statm_fd[0] != os.getpid():  # first call, or a forked child
+            _statm_fd = (os.getpid(), os.open("/proc/self/statm", os.O_RDONLY))
+        return int(os.pread(_statm_fd[1], 256, 0).split()[1]) * _page_size()
+    except (OSError, ValueError, AttributeError, IndexError):
+        return process_memory()[0]
+
+
+@functools.cache
+def _page_size() -> int:
+    return os.sysconf("SC_PAGE_SIZE")
+
+
+@functools.cache  # the host's physical memory does not change while the process runs
 def _host_total() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from dream_trainer.cluster import detect as detect_cluster
 from dream_trainer.configs import DeviceParameters
-from dream_trainer.world.memory import MemoryStatus, read_memory_status, reset_peak_memory
+from dream_trainer.world.memory import MemoryStatus, allocated_bytes, read_memory_status, reset_peak_memory
 from dream_trainer.world.plan import MESH_DIMS, MeshPlan, plan_mesh
 from dream_trainer.world.rendezvous import Heartbeat, is_communication_error, roll_call
 from dream_trainer.world.settle import destroy_settled, install_exit_settle
@@ -46,8 +46,7 @@ def _gradient_kind(grad: torch.Tensor) -> tuple[Any, ...]:
 
 
 def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value is None or value == "":
+    if not (value := os.environ.get(name)):  # unset or empty
         return default
     try:
         return int(value)
@@ -469,22 +468,23 @@ class DistributedWorld:
         mesh's own modules do not do (FSDP2/DDP reduce in backward); a fault-tolerant world's."""
 
     def agree_on_step(self, skip_reason: str | None) -> str | None:
-        """The last word on the step about to be applied (`skip_reason` None: apply it): the
-        reason to skip it, or None. A fault-tolerant world's quorum decides."""
+        """The reason to skip the step about to be applied, or None (`skip_reason`: this one's).
+        A fault-tolerant world's quorum decides."""
         return skip_reason
 
     # ------------------------------------------------------------------ memory
     def memory_status(self, device: torch.device | str | None = None) -> MemoryStatus:
-        """Memory now, as a `MemoryStatus` (bytes): on CUDA the caching allocator's allocated,
-        reserved and peak bytes of `device` (default: this rank's), on CPU the process's
-        resident set and its peak; the process's resident set in every case. Host-side
-        counters and ``/proc`` only: no device sync, cheap enough for a log step (tens of µs)."""
+        """Memory now, a `MemoryStatus` (bytes): CUDA's caching-allocator counters of `device` (default: this
+        rank's), else the process's resident set and peak; the resident set always. No device sync."""
         return read_memory_status(torch.device(device) if device is not None else self.device)
 
+    def memory_allocated(self) -> int:
+        """``memory_status().allocated`` of this rank's device alone, for frequent samples (cheaper)."""
+        return allocated_bytes(self.device)
+
     def reset_peak_memory(self) -> bool:
-        """Start the peaks of `memory_status` again from now: the device's (CUDA) and the
-        process's peak resident set (Linux). False when the process's peak could not be reset
-        (no ``/proc/self/clear_refs``: it stays the peak since the process started)."""
+        """Start the peaks of `memory_status` again from now: the device's (CUDA) and the process's
+        resident set's (Linux). False when the latter could not be reset (no ``/proc/self/clear_refs``)."""
         return reset_peak_memory(self.device)
 
     # ------------------------------------------------------------------ contexts

@@ -1,7 +1,8 @@
 """A NaN on one rank only, under the anomaly detector's skip policy: both ranks skip that
 update and stay identical (2 gloo ranks, DDP).
 
-Two cases: a NaN input (DDP's all-reduce spreads the NaN gradients, so both ranks see them)
+Two cases, with the detector reading the CPU values directly and (for the second) with the
+device flag an accelerator uses: a NaN input (DDP's all-reduce spreads the NaN gradients, so both ranks see them)
 and a NaN only in rank 1's loss value with finite gradients, so only rank 1 detects it
 and the other rank skips because the ranks agree (without the agreement, rank 0 would
 apply the update and the replicas would drift apart). On every step each rank reads one value of
@@ -55,7 +56,8 @@ class Params(Callback):
         self.final = [p.detach().clone() for p in self.trainer.model.parameters()]
 
 
-def _run(root, where):
+def _run(root, where, cpu_values):
+    AnomalyDetectorCallback.reads_cpu_values = cpu_values  # this rank's process: its own class
     detector, params = AnomalyDetectorCallback("skip"), Params()
     # Not counted: the CPU tensors of the trainer's collectives, the DataLoader's seed (a CPU
     # generator, read when an epoch's iterator is made) and this test's own checks.
@@ -75,9 +77,11 @@ def _run(root, where):
             "reads": {step: reads.kinds(step) for step in range(1, trainer.global_step + 1)}}
 
 
-@pytest.mark.parametrize("where", ["input", "loss"])
-def test_a_nan_on_one_rank_is_skipped_on_both(tmp_path, where):
-    zero, one = spawn_world(2, _run, str(tmp_path), where, timeout=120)
+@pytest.mark.parametrize("where, cpu_values", [("input", True), ("loss", True), ("loss", False)])
+def test_a_nan_on_one_rank_is_skipped_on_both(tmp_path, where, cpu_values):
+    # cpu_values: the detector reads the loss and the norm (CPU tensors) and vetoes on the
+    # host; else the accelerator's way, a device flag read at the agreement.
+    zero, one = spawn_world(2, _run, str(tmp_path), where, cpu_values, timeout=120)
     if where == "loss":  # rank 0 saw nothing wrong: it skipped only because the ranks agreed
         assert not zero["nonfinite_grad"] and not one["nonfinite_grad"]
     else:
@@ -85,5 +89,7 @@ def test_a_nan_on_one_rank_is_skipped_on_both(tmp_path, where):
     assert zero["skipped"] == one["skipped"] == (1, 1) and zero["events"] == one["events"] == [(5, 4)]
     assert zero["unchanged"] and one["unchanged"] and zero["step"] == one["step"] == 23
     assert all(torch.equal(a, b) and torch.isfinite(a).all() for a, b in zip(zero["final"], one["final"]))
-    flag = [("bool", "take_veto")]  # one read per optimizer step; step 5 ran twice (skipped, then taken)
+    # The flag: one read per optimizer step; step 5 ran twice (skipped, then taken). The CPU
+    # values are read in `pre_optimizer_step` (not counted here): no other read.
+    flag = [] if cpu_values else [("bool", "take_veto")]
     assert zero["reads"] == one["reads"] == {s: flag * (2 if s == 5 else 1) for s in range(1, 24)}, zero["reads"]

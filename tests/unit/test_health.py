@@ -95,7 +95,28 @@ class Snapshot(Callback):
             self.after = [p.detach().clone() for p in self.trainer.model.parameters()]
 
 
-def test_nan_is_skipped_on_the_step_it_happens():
+@pytest.fixture(params=["cpu values", "device flag"])
+def anomaly_path(request):
+    """Both ways the anomaly detector decides: on the CPU it reads the loss and the norm
+    directly; on an accelerator (here: the same code on CPU tensors) it makes a device flag
+    that the trainer's agreement reads."""
+    original = AnomalyDetectorCallback.reads_cpu_values
+    AnomalyDetectorCallback.reads_cpu_values = request.param == "cpu values"
+    yield request.param
+    AnomalyDetectorCallback.reads_cpu_values = original
+
+
+@pytest.fixture
+def device_flag():
+    """The accelerator's path (a device flag read once, at the agreement): what the read
+    budgets below describe."""
+    original = AnomalyDetectorCallback.reads_cpu_values
+    AnomalyDetectorCallback.reads_cpu_values = False
+    yield
+    AnomalyDetectorCallback.reads_cpu_values = original
+
+
+def test_nan_is_skipped_on_the_step_it_happens(anomaly_path):
     detector, snap = AnomalyDetectorCallback("skip"), Snapshot(5)
     trainer = Inject(config([detector, snap]), at=5, factor=float("nan"))
     trainer.fit()
@@ -106,7 +127,7 @@ def test_nan_is_skipped_on_the_step_it_happens():
     assert detector.state_dict()["skipped_steps"] == 1
 
 
-def test_nan_halt_names_the_parameters_and_too_many_skips_halt():
+def test_nan_halt_names_the_parameters_and_too_many_skips_halt(anomaly_path):
     with pytest.raises(AnomalyError, match=r"step 6 \(policy 'halt'\): loss nan; gradients of 4 parameter\(s\): model\.0\.weight|0\.weight, 0\.bias, 2\.weight, 2\.bias.*Try:"):
         Inject(config([AnomalyDetectorCallback("halt")]), at=5, factor=float("nan")).fit()
 
@@ -135,7 +156,7 @@ class NaNGrad(ToyTrainer):
         return {"loss": loss}
 
 
-def test_halt_with_clipping_names_the_parameter_whose_gradient_was_not_finite():
+def test_halt_with_clipping_names_the_parameter_whose_gradient_was_not_finite(anomaly_path):
     # Clipping multiplies every gradient by max_norm / norm: a NaN norm must not make every
     # gradient NaN, or the report would name all four parameters.
     trainer = NaNGrad(config([AnomalyDetectorCallback("halt")], gradient_clip_val=1.0))
@@ -154,7 +175,7 @@ def test_clipping_a_nan_gradient_leaves_the_other_gradients_finite():
     assert all(torch.equal(a, b) for (n, a), b in zip(after.items(), snap.before) if n != "2.bias")
 
 
-def test_warn_policy_counts_on_log_steps_only(caplog):
+def test_warn_policy_counts_on_log_steps_only(caplog, anomaly_path):
     detector = AnomalyDetectorCallback("warn", log_interval=4)
     trainer = Inject(config([detector]), at=5, factor=float("nan"))
     with caplog.at_level(logging.WARNING):
@@ -164,8 +185,11 @@ def test_warn_policy_counts_on_log_steps_only(caplog):
 
 
 # -------------------------------------------------------------------- robustness
-class BrokenMemory(MemoryMonitorCallback):
+class BrokenMemory(MemoryMonitorCallback):  # every reading fails: the sample and the log step's status
     def current_mb(self):
+        raise OSError("no /proc here")
+
+    def status(self):
         raise OSError("no /proc here")
 
 
@@ -219,7 +243,7 @@ def test_the_counter_catches_every_kind_of_host_read():
     assert not counter.reads
 
 
-def test_default_health_callbacks_read_what_the_docs_say():
+def test_default_health_callbacks_read_what_the_docs_say(device_flag):
     # The defaults (log_interval 100, anomaly "skip"), clipping on, the dashboard drawing:
     # every optimizer step reads one value (the trainer's agreement on the skip flag); step
     # 100, the monitors' log step, also reads each window once (gradient: norms and clip
@@ -237,7 +261,7 @@ def test_default_health_callbacks_read_what_the_docs_say():
     ("halt", {("bool", "pre_optimizer_step"): 1}, {}),
     ("skip", {("bool", "take_veto"): 1}, {}),
 ])
-def test_sync_budget_per_policy(policy, per_step, on_log_step):
+def test_sync_budget_per_policy(policy, per_step, on_log_step, device_flag):
     monitors = [AnomalyDetectorCallback(policy, log_interval=4)]
     if policy == "skip":  # a second decision on the same step shares the one read
         monitors.append(LossMonitorCallback(log_interval=4, min_history=2, on_spike="skip"))
@@ -249,7 +273,15 @@ def test_sync_budget_per_policy(policy, per_step, on_log_step):
         assert added.get(step, Counter()) == expected, (step, added.get(step))
 
 
-def test_no_reads_on_other_steps_and_one_per_log_step():
+def test_on_the_cpu_the_detector_reads_the_two_values_and_sends_no_flag_to_the_agreement():
+    # CPU tensors: the loss and the norm are read directly (two CPU reads, cheaper than the
+    # flag's device op) and the agreement reads nothing; a NaN still skips (tested above).
+    assert AnomalyDetectorCallback.reads_cpu_values
+    added, steps = _reads([AnomalyDetectorCallback("skip", log_interval=1000)], gradient_clip_val=1.0)
+    assert steps == 12 and all(added[s] == Counter({("item", "pre_optimizer_step"): 2}) for s in range(1, 13)), added
+
+
+def test_no_reads_on_other_steps_and_one_per_log_step(device_flag):
     # Every monitor on, short intervals, memory sampled every step, top-k layer norms: no read
     # on a step that is not a log step; on one, one read per monitor that reads the device.
     monitors = health_callbacks(

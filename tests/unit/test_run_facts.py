@@ -5,6 +5,7 @@ the shipped callbacks that use them."""
 
 import importlib.util
 import json
+import logging
 import os
 import resource
 import sys
@@ -246,6 +247,7 @@ def test_memory_status_on_cpu_is_the_processes_resident_set_and_its_peak():
     assert grown.rss - before.rss > 100 * MB and grown.peak_rss >= grown.rss
     if os.path.exists("/proc/self/status"):  # the same numbers as the kernel's
         assert abs(grown.rss / 1024 - _proc_status_kib("VmRSS:")) < 8 * 1024
+    assert abs(world.memory_allocated() - grown.allocated) < 8 * MB  # the sample alone: the same number
     del block
     freed = world.memory_status(device="cpu")
     # The peak remembers (the kernel's counters lag by a few pages: per-thread caches).
@@ -294,6 +296,44 @@ def test_the_memory_monitor_reports_the_worlds_memory_status():
         assert metrics["train/memory_rss_mb"] == status.rss / MB
     assert trainer.display_fields["mem"] == f"rss: {seen[-1][1].rss / MB / 1024:.2f}GB"
     assert trainer.logged_metrics["epoch/memory_peak_mb"] >= trainer.logged_metrics["epoch/memory_start_mb"] > 50
+
+
+class LeakingWorld(DistributedWorld):
+    """A world whose allocated memory grows by `growth` MiB at each frequent sample; its full
+    status (log steps) is counted."""
+
+    def __init__(self, growth, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.growth, self.samples, self.statuses = growth, 0, 0
+
+    def memory_allocated(self):
+        self.samples += 1
+        return 500 * MB + int(self.samples * self.growth * MB)
+
+    def memory_status(self, device=None):
+        self.statuses += 1
+        return super().memory_status(device)
+
+
+@pytest.mark.parametrize("growth", [2.0, 0.0])
+def test_the_memory_monitor_samples_the_worlds_allocated_memory_and_warns_once_of_a_leak(growth, caplog):
+    class UseLeakingWorld(Callback):
+        def pre_launch(self):
+            self.trainer.set_world(LeakingWorld(growth, self.trainer.world.device_parameters))
+
+    monitor = MemoryMonitorCallback(log_interval=1000, sample_every=1, leak_window=5, leak_min_mb=1.0)
+    trainer = ToyTrainer(config([UseLeakingWorld(), monitor]), with_validation=False)
+    with caplog.at_level(logging.WARNING, logger="dream_trainer.callbacks.monitors.memory"):
+        trainer.fit()
+    world = trainer.world
+    assert world.samples >= trainer.global_step == 12  # every step sampled (and each epoch's edges)
+    assert world.statuses == 0  # no log step: the full status is never read
+    warnings = [r.getMessage() for r in caplog.records if "memory keeps rising" in r.getMessage()]
+    if growth:
+        assert len(warnings) == 1 and monitor.leak is not None  # once, with the growth rate per step
+        assert monitor.leak[1] == pytest.approx(growth) and "2.000 MB per step" in warnings[0]
+    else:
+        assert not warnings and monitor.leak is None
 
 
 def test_the_performance_report_gives_the_peak_of_the_training_not_of_the_setup(tmp_path):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+import math
+from typing import Any, ClassVar
 
 import torch
 
@@ -22,7 +23,7 @@ class AnomalyError(RuntimeError):
 class AnomalyDetectorCallback(Monitor):
     """Catch a NaN or Inf in the step's loss or in any gradient, before the update.
 
-    The check is one fused device computation per optimizer step: the loss passed to
+    The check is one fused device computation per optimizer step (on an accelerator): the loss passed to
     ``trainer.backward`` (``step_stats.backward_loss``) and the total gradient norm the trainer
     computes anyway (``step_stats.grad_norm``: it is non-finite exactly when some gradient
     element is). What happens then is the `policy`:
@@ -38,9 +39,16 @@ class AnomalyDetectorCallback(Monitor):
     - ``"warn"``: nothing is read on ordinary steps; on its log steps it logs
       ``train/nonfinite_steps`` and warns when it grew.
 
+    On the CPU (loss and norm CPU tensors) there is no device to sync with and a read costs
+    less than a device op: the two values are read directly and a non-finite step is vetoed
+    with ``trainer.skip_step`` (the ranks agree on it the same way). `reads_cpu_values` False
+    keeps the device flag there too (what the tests of the accelerator's read budget use).
+
     Critical under ``skip`` and ``halt`` (it enforces the policy you chose), not under
     ``warn``. Its counters are saved in checkpoints.
     """
+
+    reads_cpu_values: ClassVar[bool] = True
 
     def __init__(self, policy: str = "skip", max_consecutive: int = 10, log_interval: int = 100):
         super().__init__(log_interval)
@@ -62,15 +70,19 @@ class AnomalyDetectorCallback(Monitor):
         self.trainer.request_grad_norm()
         self.trainer.request_backward_loss()
 
-    def _flag(self, optimizer: Any) -> torch.Tensor | None:
-        """A device scalar that is true (NaN) when this step's loss or gradient norm is NaN
-        or Inf and false (0) otherwise: one small device op, no sync."""
+    def _inputs(self, optimizer: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This step's ``(gradient norm of `optimizer`'s parameters, loss)``, each None when
+        not recorded."""
         stats = self.trainer.step_stats
         name = self._names.get(id(optimizer))
         if name is None:
             name = self._names[id(optimizer)] = next(
                 (n for n, opt in self.trainer.named_optimizers().items() if opt is optimizer), "")
-        norm, loss = stats.grad_norm.get(name), stats.backward_loss
+        return stats.grad_norm.get(name), stats.backward_loss
+
+    def _flag(self, norm: torch.Tensor | None, loss: torch.Tensor | None) -> torch.Tensor | None:
+        """A device scalar that is true (NaN) when this step's loss or gradient norm is NaN
+        or Inf and false (0) otherwise: one small device op, no sync."""
         if norm is None or loss is None:
             value = norm if loss is None else loss
             return None if value is None else value - value  # NaN where `value` is NaN or +-Inf, else 0
@@ -81,18 +93,33 @@ class AnomalyDetectorCallback(Monitor):
         return torch.addcmul(self._zero, loss, norm, value=0.0)
 
     def pre_optimizer_step(self, model: Any, optimizer: Any) -> None:
-        flag = self._flag(optimizer)
-        if flag is None:
+        norm, loss = self._inputs(optimizer)
+        if norm is None and loss is None:
             return
+        if self.reads_cpu_values and (norm is None or norm.is_cpu) and (loss is None or loss.is_cpu):  # no sync
+            if (norm is None or math.isfinite(norm.item())) and (loss is None or math.isfinite(loss.item())):
+                return
+            if self.policy == "skip":
+                self.trainer.skip_step(_REASON)  # agreed by every rank at the step, as the flag is
+            elif self.policy == "halt":
+                raise AnomalyError(self._diagnosis(model))
+            else:
+                self._count_nonfinite(torch.ones(()))
+            return
+        flag = self._flag(norm, loss)
+        assert flag is not None
         if self.policy == "skip":
             self.trainer.skip_step_if(flag, _REASON)  # read once per step by the trainer's agreement
         elif self.policy == "halt":
             if bool(flag):  # deliberate, once per step: halting is a decision made before this update (NaN: true)
                 raise AnomalyError(self._diagnosis(model))
         else:
-            if self._nonfinite is None:
-                self._nonfinite = torch.zeros((), device=flag.device)
-            self._nonfinite.add_(flag.isnan())  # counted on the device: read on log steps
+            self._count_nonfinite(flag.isnan())
+
+    def _count_nonfinite(self, count: torch.Tensor) -> None:
+        if self._nonfinite is None:
+            self._nonfinite = torch.zeros((), device=count.device)
+        self._nonfinite.add_(count)  # counted on the device: read on log steps
 
     def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
         trainer = self.trainer

@@ -56,8 +56,9 @@ class MemoryMonitorCallback(Monitor):
         return self.trainer.world.memory_status()
 
     def current_mb(self) -> float:
-        """Allocated device memory on CUDA, the process's resident set elsewhere."""
-        return self.status().allocated / MB
+        """Allocated device memory on CUDA, the process's resident set elsewhere
+        (``world.memory_allocated()``: the sample taken every `sample_every` steps)."""
+        return self.trainer.world.memory_allocated() / MB
 
     def peak_mb(self) -> float:
         return self.status().peak_allocated / MB
@@ -85,20 +86,20 @@ class MemoryMonitorCallback(Monitor):
 
     def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
         step = self.trainer.global_step
-        if (step % self.sample_every and step % self.log_interval) or not self.step_done():
+        due = step % self.log_interval == 0
+        if (step % self.sample_every and not due) or not self.step_done():
             return  # the common case, first: nothing to do on this step
-        if step % self.sample_every == 0 or self.due():
-            now = self.current_mb()
-            self._epoch["peak"] = max(self._epoch.get("peak", now), now)
-            self._watch_leak(step, now)
-            if self.cleanup_above_mb is not None and now > self.cleanup_above_mb:
-                gc.collect()
-                if self._cuda():
-                    torch.cuda.empty_cache()
-                self.cleanups += 1
-                logger.info("memory %.0f MB > %.0f MB at step %d: ran gc.collect()", now, self.cleanup_above_mb, step)
-        if self.due():
-            readings = self.readings()
+        readings = self.readings() if due else None  # a log step's reading serves as its sample too
+        now = readings["train/memory_current_mb"] if readings is not None else self.current_mb()
+        self._epoch["peak"] = max(self._epoch.get("peak", now), now)
+        self._watch_leak(step, now)
+        if self.cleanup_above_mb is not None and now > self.cleanup_above_mb:
+            gc.collect()
+            if self._cuda():
+                torch.cuda.empty_cache()
+            self.cleanups += 1
+            logger.info("memory %.0f MB > %.0f MB at step %d: ran gc.collect()", now, self.cleanup_above_mb, step)
+        if readings is not None:
             self.trainer.display_fields["mem"] = self.display(readings)
             self.trainer.log_dict(readings)
 

@@ -92,7 +92,7 @@ class ThroughputMonitorCallback(Monitor):
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self._events = (self._events[0], end)
-        if self.due():
+        if trainer.global_step % self.log_interval == 0:  # `due()`: the step is done (checked above)
             self._log()
 
     def totals(self) -> tuple[int, int | None, bool]:
