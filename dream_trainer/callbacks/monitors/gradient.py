@@ -71,8 +71,9 @@ class GradientMonitorCallback(Monitor):
             norm = torch.linalg.vector_norm(torch.stack([n.float() for n in norms.values()]))
         self.window.push(norm, stats.step)
         self._steps += 1
-        for clipped in stats.clipped.values():
-            self.window.add(0, clipped)  # counted on the device
+        if stats.clip_limit:  # a clipped step: `clipped` compares each norm with its limit
+            for clipped in stats.clipped.values():
+                self.window.add(0, clipped)  # counted on the device
         if self.trainer.global_step % self.log_interval == 0:
             self._log()
 
