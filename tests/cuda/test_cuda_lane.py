@@ -161,6 +161,7 @@ def _memory() -> None:
     block = torch.empty(256 * mb, dtype=torch.uint8, device=device)
     during = world.memory_status(device)
     assert during.allocated - before.allocated == 256 * mb == torch.cuda.memory_allocated(device) - before.allocated
+    assert world.memory_allocated() == during.allocated  # the monitor's frequent sample: the same counter
     assert during.reserved >= during.allocated and during.peak_allocated >= during.allocated
     assert during.total == torch.cuda.get_device_properties(device).total_memory and during.rss > 0
     del block
@@ -172,6 +173,50 @@ def _memory() -> None:
 
 def test_memory_status_on_cuda_is_the_allocators():
     on_cuda(_memory)
+
+
+def _anomaly_skip(root: str, device_type: str = "cuda") -> dict[str, Any]:
+    """A NaN batch under the anomaly detector's skip policy, the memory monitor sampling every
+    step: the update is skipped on the device's flag, read once a step (at the trainer's
+    agreement), and nothing else reads the device on a step."""
+    from dream_trainer.callbacks import AnomalyDetectorCallback, MemoryMonitorCallback
+    from dream_trainer.testing import HostReadCounter, StepReads
+
+    class NaNAt(ToyTrainer):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            if self.current_epoch == 0 and batch_idx == 5:
+                x = x * float("nan")
+            return super().training_step((x, y), batch_idx)
+
+    detector, memory = AnomalyDetectorCallback("skip"), MemoryMonitorCallback(log_interval=1000, sample_every=1)
+    counter = HostReadCounter(device=device_type)
+    reads = StepReads(counter)
+    cfg = TrainerConfig(root_dir=root, run_name="anomaly", device_parameters=DeviceParameters.SINGLE_DEVICE(),
+                        training_parameters=TrainingParameters(n_epochs=1, num_sanity_val_steps=0,
+                                                               validate_at_epoch_end=False),
+                        callbacks=[detector, memory, reads])
+    trainer = NaNAt(cfg, with_validation=False)
+    with counter:
+        trainer.fit()
+    return {"device": next(trainer.model.parameters()).device.type, "skipped": detector.skipped_steps,
+            "events": detector.events, "steps": trainer.global_step, "samples": len(memory.samples),
+            "finite": all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters()),
+            "reads": {s: reads.kinds(s) for s in range(1, trainer.global_step)}}  # the last step: the epoch's end
+
+
+def check_anomaly_skip(result: dict[str, Any], device_type: str) -> None:
+    assert result["device"] == device_type and result["finite"]
+    steps = result["steps"]  # the epoch's batches less the skipped one
+    assert result["skipped"] == 1 and result["events"] == [(6, 5)] and steps >= 10
+    assert result["samples"] == 10  # the leak window, sampled every step (world.memory_allocated)
+    flag = [("bool", "take_veto")]  # one read a step; step 6 ran twice (skipped, then taken)
+    assert result["reads"] == {s: flag * (2 if s == 6 else 1) for s in range(1, steps)}, result["reads"]
+
+
+def test_the_anomaly_detector_skips_on_its_device_flag_with_one_read_a_step_on_cuda(tmp_path: Path) -> None:
+    [result] = on_cuda(_anomaly_skip, str(tmp_path))
+    check_anomaly_skip(result, "cuda")
 
 
 # ------------------------------------------------------------------ the device path
