@@ -25,7 +25,7 @@ from dream_trainer.run_identity import RunIdentity, default_run_name
 from dream_trainer.trainer.metric_log import MetricLog
 from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.trainer.control import ControlPlane, TrainingInterrupted
-from dream_trainer.trainer.epochs import set_epoch
+from dream_trainer.trainer.epochs import set_epoch, train_mode
 from dream_trainer.trainer.data_position import DataPosition
 from dream_trainer.trainer.fused import prefer_fused
 from dream_trainer.trainer.state import TrainerState
@@ -301,8 +301,7 @@ class BaseTrainer(AbstractTrainer):
     # ================================================================== training
     def _train_epoch(self) -> dict[str, Any]:
         """The training epoch (its rest, on a mid-epoch resume): ``{"batches", "loss"}``."""
-        for model in self.named_models().values():
-            model.train()
+        train_mode(self.named_models().values())
         set_epoch(self.train_dataloader, self.current_epoch)
         losses = RunningMean() if self.callbacks.listens("post_train_epoch") else None  # its reader's; on the device
         start = batch_idx = self.local_batches - 1  # > -1 when resuming mid-epoch

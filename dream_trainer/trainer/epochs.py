@@ -4,8 +4,8 @@ state and imports no trainer); the generators live apart from `DataPosition` so 
 step's fetch never re-enters the module a restore between two steps (a torchft heal, from
 `before_batch`) calls into.
 
-`set_epoch` is what the loop calls at the start of every epoch; `loader_length` is
-``len(loader)`` or None.
+`set_epoch` and `train_mode` are what the loop calls at the start of every epoch;
+`loader_length` is ``len(loader)`` or None.
 """
 
 from __future__ import annotations
@@ -43,6 +43,15 @@ def set_epoch(loader: Any, epoch: int) -> None:
         if hasattr(obj, "set_epoch"):
             obj.set_epoch(epoch)
             return
+
+
+def train_mode(models: Iterable[Any]) -> None:
+    """Put `models` (``nn.Module``) in training mode: ``model.train()`` where any of its
+    modules is not (validation or a callback left it in eval mode); a model already training
+    is only read (``train()`` sets the flag on every module: a walk of attribute writes)."""
+    for model in models:
+        if not all(module.training for module in model.modules()):
+            model.train()
 
 
 def loader_length(loader: object) -> int | None:

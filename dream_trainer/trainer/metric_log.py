@@ -184,9 +184,12 @@ class MetricLog:
         if self._queue is not None:  # logged from an on_log: sent after this dispatch
             self._queue_nested(self._queue, metrics)
             return
+        if self._listening is not None and not self._listening():  # nobody reads it now: no on_log to run
+            self._keep(metrics)
+            return
         self._queue = []
         try:
-            self._send(metrics)
+            self._deliver(metrics)
             nested, self._queue, self._nested = self._queue, [], True
             for logged in nested:  # one on_log per call made, in order: none overwrites another
                 self._send(logged)
@@ -196,9 +199,10 @@ class MetricLog:
     def send_step(self, own: dict[str, Any]) -> None:
         """A log step: the trainer's own metrics with what was kept since the last one, in
         one dispatch."""
-        metrics = {**own, **self.pending}
-        self.pending = {}
-        self.dispatch(metrics)
+        if self.pending:  # `own` is the step's own new dict
+            own.update(self.pending)
+            self.pending = {}
+        self.dispatch(own)
 
     def flush(self) -> None:
         """Send what was kept (the end of an epoch): nothing logged is dropped."""
@@ -206,9 +210,18 @@ class MetricLog:
         self.dispatch(pending)
 
     def _send(self, metrics: dict[str, Any]) -> None:
-        if self._listening is not None and not self._listening():  # nobody reads it now: no host read
-            self._unread.update({k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()})
-            return
+        if self._listening is not None and not self._listening():
+            self._keep(metrics)
+        else:
+            self._deliver(metrics)
+
+    def _keep(self, metrics: dict[str, Any]) -> None:
+        """Sent while nobody listens: kept for `logged` as logged (a tensor: a copy on its
+        device, no host read)."""
+        self._unread.update({k: (v.detach() if v.requires_grad else v).clone() if isinstance(v, torch.Tensor) else v
+                             for k, v in metrics.items()})
+
+    def _deliver(self, metrics: dict[str, Any]) -> None:
         floats = OnLogMetrics(to_floats(metrics))
         logged = self.logged
         logged.update(floats)

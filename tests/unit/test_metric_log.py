@@ -225,3 +225,23 @@ def test_a_run_without_on_log_listeners_makes_no_host_read_on_its_log_steps():
     # the same run, the same values, read when asked for
     assert quiet.logged_metrics["train/loss"] == pytest.approx(listener.losses[-1][1], abs=0)
     assert quiet.logged_metrics["train/epoch"] == 0.0
+
+
+def test_a_log_step_nobody_listens_to_keeps_its_values_and_what_waited_for_it():
+    """The trainer's log step with no `on_log` listener: its own metrics and the values kept
+    since the last log step land in ``logged`` (copies: a tensor changed in place afterwards,
+    or one that requires grad, reads as it was logged), and nothing is sent."""
+    sink, listening = Sink(), [False]
+    log = MetricLog(sink, lambda: listening[0])
+    weight = torch.tensor(3.0, requires_grad=True)
+    log.gate = False
+    log.log({"user/scaled": weight * 2})  # kept until the log step
+    loss = torch.tensor(0.25)
+    log.gate = True
+    log.send_step({"train/loss": loss, "train/lr": 0.1})
+    log.gate = None
+    loss.add_(1.0)
+    with torch.no_grad():
+        weight.add_(1.0)
+    assert sink.sent == [] and log.pending == {}
+    assert log.logged == {"train/loss": 0.25, "train/lr": 0.1, "user/scaled": 6.0}

@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from dream_trainer import (
     Callback,
@@ -492,3 +493,48 @@ def test_a_non_critical_callback_failing_in_post_teardown_is_logged_not_raised(c
     assert trainer.status == "completed"
     assert any("upload failed" in r.getMessage() or (r.exc_info and "upload failed" in str(r.exc_info[1]))
                for r in caplog.records)
+
+
+def test_each_training_epoch_starts_with_every_module_in_training_mode():
+    """Validation sets eval mode, and so may a callback (here one submodule, mid-epoch): the next
+    epoch trains every module again. A model already training is only read (no ``train()``
+    walk), and a model whose own ``train()`` leaves a module in eval keeps getting called."""
+
+    class Freezes(Callback):
+        def __init__(self):
+            self.modes: list[bool] = []
+
+        def pre_train_epoch(self):
+            self.modes.append(all(m.training for m in self.trainer.model.modules()))
+
+        def post_train_step(self, result, batch_idx):
+            if self.trainer.current_epoch == 0 and batch_idx == 0:
+                next(iter(self.trainer.model.children())).eval()  # one submodule, mid-epoch
+
+    freezes = Freezes()
+    trainer = make([freezes], n_epochs=3, validate_at_epoch_end=True)
+    trainer.fit()
+    assert freezes.modes == [True, True, True]
+    assert all(m.training for m in trainer.model.modules())
+
+    from dream_trainer.trainer.epochs import train_mode
+
+    calls: list[int] = []
+
+    class KeepsNormInEval(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.norm = nn.Linear(2, 2), nn.BatchNorm1d(2)
+
+        def train(self, mode: bool = True):
+            calls.append(int(mode))
+            super().train(mode)
+            self.norm.eval()  # a frozen norm: its statistics stay
+            return self
+
+    custom, plain = KeepsNormInEval(), nn.Sequential(nn.Linear(2, 2))
+    custom.eval()  # e.g. validation: eval() is train(False)
+    plain.train = lambda mode=True: calls.append(-1)  # type: ignore[method-assign]  # must not be called
+    train_mode([custom, plain])
+    train_mode([custom, plain])  # its norm still in eval: called again, as every epoch before
+    assert calls == [0, 1, 1] and not custom.norm.training and custom.body.training
