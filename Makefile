@@ -31,6 +31,7 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/step_cost.py
+	$(PY) benchmarks/step_anatomy.py
 	$(PY) benchmarks/loop_cache.py
 	$(PY) benchmarks/parallel.py
 	$(PY) benchmarks/checkpoint.py

@@ -44,6 +44,7 @@ EXPECTED: dict[str, Callable[[dict[str, Any]], list[float]]] = {
     "overhead": lambda r: [variant["median_step_us"] for variant in r["variants"].values()],
     "parallel": lambda r: [layout["tokens_per_s_median"] for layout in r["layouts"].values()],
     "pipeline": lambda r: [row["tokens_per_s_median"] for row in r["rows"].values()],
+    "step_anatomy": lambda r: [row["raw_step_us"] for row in r["rows"].values()],
     "step_cost": lambda r: [v for variant in r["variants"].values() for v in (variant["raw_step_us"], variant["step_us"])],
     "step_path": lambda r: [row["tokens_per_s"] for row in r["rows"]],
 }
