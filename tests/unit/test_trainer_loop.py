@@ -538,3 +538,40 @@ def test_each_training_epoch_starts_with_every_module_in_training_mode():
     train_mode([custom, plain])
     train_mode([custom, plain])  # its norm still in eval: called again, as every epoch before
     assert calls == [0, 1, 1] and not custom.norm.training and custom.body.training
+
+
+def test_a_batch_is_counted_as_it_arrived_skipped_batches_too():
+    """``step_stats.samples`` counts the batch as it arrived (not what a ``pre_train_step``
+    made of it), a skipped batch included; the totals sum every batch of the epoch."""
+    from dream_trainer import SkipBatch
+
+    class Crops(Callback):
+        skips_batches = True
+
+        def __init__(self):
+            self.arrived: list[int] = []
+            self.counted: list[tuple[int, int]] = []
+            self.skipped_counted: list[int] = []
+
+        def pre_train_step(self, batch, batch_idx):
+            self.arrived.append(len(batch[0]))
+            if batch_idx == 1:
+                raise SkipBatch("batch 1")
+            return (batch[0][:1], batch[1][:1])  # what the step trains on: one sample
+
+        def post_train_step(self, result, batch_idx):
+            stats = self.trainer.step_stats
+            self.counted.append((stats.samples, stats.total_samples))
+
+        def on_step_end(self, step):
+            if self.trainer.step_skipped:
+                self.skipped_counted.append(self.trainer.step_stats.samples)
+
+    crops = Crops()
+    trainer = make([crops], n_epochs=1)
+    trainer.fit()
+    sizes = crops.arrived
+    assert len(sizes) >= 3 and crops.skipped_counted == [sizes[1]]
+    trained = [size for i, size in enumerate(sizes) if i != 1]
+    assert [samples for samples, _ in crops.counted] == trained
+    assert crops.counted[-1][1] == trainer.step_stats.total_samples == sum(sizes)
