@@ -106,7 +106,7 @@ def _page_size() -> int:
 @functools.cache  # the host's physical memory does not change while the process runs
 def _host_total() -> int | None:
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return _page_size() * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, OSError, ValueError):
         return None
 
