@@ -9,7 +9,9 @@ is). This script asks which part of the step path that is. Each epoch runs one v
 
     trainer              the step path as shipped
     trainer (A/A)        the same again: the measurement's noise
-    no batch count       the batch's samples/tokens not counted (constants given instead)
+    counted              the batch's samples/tokens counted (what ``request_batch_counts``
+                         turns on: a throughput monitor asks; the shipped step counts nothing
+                         until asked)
     lean open            `_open_batch` cut to the counters and the step's telemetry reset
     flat loop            the loop's side of a step (open, arrival, result, end of step, log
                          step, control point) in one function, for this run's plain case only
@@ -49,9 +51,11 @@ from common import RawBeside, machine, write_json  # noqa: E402  (benchmarks/com
 from overhead import BenchTrainer, build_model, make_batches, raw_step  # noqa: E402  (the same model and trainer)
 
 
-def _arrived_uncounted(self: Stepper, batch: Any, step: int, now: float) -> None:
-    trainer = self.trainer
-    if self.path.arrive(now, 0, None) and "on_step_begin" in trainer.callbacks.overridden:
+def _arrived_counted(self: Stepper, batch: Any, step: int, now: float) -> None:
+    trainer, path = self.trainer, self.path
+    opened = path.arrive(now)
+    path.count(*trainer.count_batch(batch))
+    if opened and "on_step_begin" in trainer.callbacks.overridden:
         trainer.callbacks.on_step_begin(step)
 
 
@@ -73,11 +77,9 @@ def _train_on_flat(self: BaseTrainer, batch: Any, batch_idx: int, is_last: bool)
     log_.gate = log_kind > 0
     path = self.stepper.path
     stats, now = path.stats, time.perf_counter()
-    samples, tokens = self.count_batch(batch)
     if not path.open:
-        stats.micro_batches = stats.samples = 0
-        stats.loss_sum = stats.tokens = stats.skipped = stats.backward_sum = None
-        stats.backward_count = 0
+        stats.micro_batches = stats.backward_count = 0
+        stats.loss_sum = stats.samples = stats.tokens = stats.skipped = stats.backward_sum = None
         stats.grad_norm, stats.clip_limit, stats.lr = {}, {}, {}
         stats.data_wait_s, stats.compute_s, stats.optimizer_s = 0.0, math.nan, math.nan
         path.open, path.stepped = True, False
@@ -85,8 +87,6 @@ def _train_on_flat(self: BaseTrainer, batch: Any, batch_idx: int, is_last: bool)
     stats.data_wait_s += wait
     path.data_total += wait
     path.arrived_at = now
-    stats.samples += samples
-    stats.total_samples += samples
     result = self.training_step(batch, batch_idx)
     for key, value in result.items():
         if isinstance(value, torch.Tensor) and value.requires_grad:
@@ -127,7 +127,7 @@ _BARE = [(AbstractTrainer, "backward", _bare_backward), (AbstractTrainer, "step"
 VARIANTS: dict[str, list[tuple[type, str, Any]]] = {
     "trainer": [],
     "trainer (A/A)": [],
-    "no batch count": [(Stepper, "batch_arrived", _arrived_uncounted)],
+    "counted": [(Stepper, "batch_arrived", _arrived_counted)],
     "lean open": [(BaseTrainer, "_open_batch", _open_lean)],
     "flat loop": [(BaseTrainer, "_train_on", _train_on_flat)],
     "flat + bare API": [(BaseTrainer, "_train_on", _train_on_flat), *_BARE],

@@ -72,10 +72,10 @@ class PerformanceReportCallback(RankZeroCallback[BaseTrainer]):
         self.rows: deque[dict[str, float]] = deque(maxlen=keep_steps)  # bounded: a long run does not grow
         self.report: dict[str, Any] | None = None
         self._cuda = False
-        self._samples0: tuple[int, int | None, int, int | None] | None = None
 
     def pre_fit(self) -> None:
         self.trainer.request_step_times()  # compute and optimizer times: measured for this report
+        self.trainer.request_batch_counts()  # and the samples and tokens of each step
         self.trainer.world.reset_peak_memory()  # the peak of the training, not of the setup
         if self._on_cuda():
             # The synchronizing hooks exist only on CUDA: on CPU measuring costs one hook.
@@ -96,9 +96,10 @@ class PerformanceReportCallback(RankZeroCallback[BaseTrainer]):
         s = trainer.step_stats
         if math.isnan(s.compute_s):  # attached after pre_fit: its step times are measured from the next step on
             trainer.request_step_times()
+            trainer.request_batch_counts()
             return
         self.rows.append({"step": s.step, "time": s.step_time_s, "data": s.data_wait_s, "compute": s.compute_s,
-                          "optimizer": s.optimizer_s, "samples": s.samples, "tokens": s.tokens or 0})
+                          "optimizer": s.optimizer_s, "samples": s.samples or 0, "tokens": s.tokens or 0})
 
     def _measured_done(self) -> bool:
         return self.trainer.global_step % self.measure_every == 0  # type: ignore[operator]

@@ -72,6 +72,7 @@ class StepWindowCallback(Callback[Any]):
         self._times: list[float] = []
 
     def pre_fit(self) -> None:
+        self.trainer.request_batch_counts()  # samples and tokens: counted for the window
         last = self.last if self.last is not None else self.trainer.training_parameters.max_steps
         if last is None or last - self.warmup < self.parts:
             raise ValueError(f"StepWindowCallback(warmup={self.warmup}, parts={self.parts}) needs "

@@ -251,10 +251,16 @@ class AbstractTrainer(ABC):
         (``step_stats.grad_norm``), once per step for every reader (False: stop)."""
         self.step_path.grad_norm_wanted = enabled
 
+    def request_batch_counts(self, enabled: bool = True) -> None:
+        """Count each micro-batch's samples and tokens (``count_batch``) into
+        ``step_stats`` from now on (``samples``, ``tokens``, their totals and the world's;
+        None until asked): a look at every batch, only for those who ask (False: stop)."""
+        self.step_path.counts_wanted = enabled
+
     count_batch = staticmethod(count_batch)
     """``count_batch(batch) -> (samples, tokens)`` of a (micro-)batch, for ``step_stats`` and
     throughput. Default: `dream_trainer.trainer.telemetry.count_batch` itself (no wrapper:
-    the loop calls it for every batch). Override it with a method ``count_batch(self,
+    the loop calls it for every batch once something asked, `request_batch_counts`). Override it with a method ``count_batch(self,
     batch)`` for other layouts (e.g. padded sequences: count the non-padding tokens)."""
 
     @contextmanager

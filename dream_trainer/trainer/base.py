@@ -308,7 +308,8 @@ class BaseTrainer(AbstractTrainer):
         path, position = self.step_path, self.data_position
         path.step_end = self.goodput.fetching(path)  # the ledger follows the path's clock; the first wait makes the iterator
         try:
-            batches = position.epoch_batches(self.train_dataloader, self, self.world, self.gradient_accumulation_steps)
+            self.stepper.accumulation = accumulation = self.gradient_accumulation_steps  # fixed for the fit (its world's)
+            batches = position.epoch_batches(self.train_dataloader, self, self.world, accumulation)
             position.iterating = True
             for batch, is_last in batches:
                 # Read after the fetch: state restored between two steps (a torchft heal,
@@ -369,17 +370,18 @@ class BaseTrainer(AbstractTrainer):
     def _open_batch(self, batch: Any, batch_idx: int, is_last: bool) -> tuple[bool, int]:
         """The counters and flags of a new micro-batch and its arrival in the step's
         telemetry: ``(accumulating, log step kind)``."""
-        step, max_steps = self.global_step + 1, self.config.training_parameters.max_steps
+        stepper, config = self.stepper, self.config
+        step, max_steps = self.global_step + 1, config.training_parameters.max_steps
         self.local_batches = batch_idx + 1
-        self.stepper.accumulation = accumulation = self.gradient_accumulation_steps  # read once a batch
-        accumulating = not is_last and (batch_idx + 1) % accumulation != 0
+        accumulating = not is_last and (batch_idx + 1) % stepper.accumulation != 0  # the epoch's (`_train_epoch`)
         self.is_accumulating_gradients = accumulating
-        self.is_last_batch = is_last or (not accumulating and max_steps is not None and step >= max_steps)
-        log_kind = 2 if self.is_last_batch and max_steps is not None and step >= max_steps else (  # the run's last
-            self.metric_log.step_kind(step, self.config.logging_parameters.log_every_n_steps, self.callbacks.log_intervals))
+        ends_run = not accumulating and max_steps is not None and step >= max_steps
+        self.is_last_batch = is_last or ends_run
+        log_kind = 2 if ends_run else (  # the run's last step logs
+            self.metric_log.step_kind(step, config.logging_parameters.log_every_n_steps, self.callbacks.log_intervals))
         self.metric_log.gate = not accumulating and log_kind > 0
-        self.stepper.loss_weight = getattr(batch, "loss_weight", None)  # before the transfer: this batch's own
-        self.stepper.batch_arrived(batch, step, time.perf_counter())
+        stepper.loss_weight = getattr(batch, "loss_weight", None)  # before the transfer: this batch's own
+        stepper.batch_arrived(batch, step, time.perf_counter())
         return accumulating, log_kind
 
     def _close_batch(self, batch_idx: int, accumulating: bool, log_kind: int, skipped: bool,

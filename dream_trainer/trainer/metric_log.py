@@ -346,7 +346,7 @@ def _world_means(scalars: dict[str, torch.Tensor], stats: StepStats, world: _Ste
     ranks (``stats.world_*``), in one all-reduce."""
     values = [v.float().reshape(()) for v in scalars.values()]
     device = values[0].device if values else world.device
-    counts = torch.tensor([stats.total_samples, stats.total_tokens or 0], dtype=torch.float64)
+    counts = torch.tensor([stats.total_samples or 0, stats.total_tokens or 0], dtype=torch.float64)
     stacked = torch.cat([torch.stack(values) if values else torch.zeros(0, device=device),
                          counts.to(device=device, dtype=torch.float32)])
     world.all_reduce(stacked, "sum")
@@ -354,7 +354,7 @@ def _world_means(scalars: dict[str, torch.Tensor], stats: StepStats, world: _Ste
     means = dict(zip(scalars, (stacked[:n] / world.world_size).unbind()))
     per_dp = world.world_size // world.dp_size  # ranks that share one data shard (TP, CP)
     totals = stacked[n:].tolist()  # read with the metrics anyway: this is a log step
-    stats.world_samples = int(round(totals[0])) // per_dp
+    stats.world_samples = int(round(totals[0])) // per_dp if stats.total_samples is not None else None
     stats.world_tokens = int(round(totals[1])) // per_dp if stats.total_tokens is not None else None
     return means
 

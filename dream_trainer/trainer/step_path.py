@@ -59,6 +59,7 @@ class StepPath:
         self.grad_norm_wanted = False  # `request_grad_norm`: every step, not only when clipping or logging
         self.backward_loss_wanted = False  # `request_backward_loss`
         self.times_wanted = False  # `request_step_times`: compute_s and optimizer_s measured
+        self.counts_wanted = False  # `request_batch_counts`: each batch's samples and tokens counted
         self.open = False  # a step began (its first micro-batch arrived) and has not ended
         self.stepped = False  # the open step's update was applied
         self.agreed = False  # the ranks agreed that no rank's training_step failed (recovers_errors)
@@ -130,10 +131,10 @@ class StepPath:
         self.routes.clear()
 
     # ------------------------------------------------------------------ the cycle
-    def arrive(self, now: float, samples: int, tokens: int | None) -> bool:
-        """A micro-batch of `samples` (`tokens`) arrived at `now`: open a step unless one is
-        open, then add its data wait (since `fetch_start`) and its counts. True when it
-        opened a step (its per-step telemetry reset first)."""
+    def arrive(self, now: float) -> bool:
+        """A micro-batch arrived at `now`: open a step unless one is open, then add its data
+        wait (since `fetch_start`). True when it opened a step (its per-step telemetry reset
+        first)."""
         stats, opened = self.stats, not self.open
         if opened:
             stats.begin(self.times_wanted)
@@ -142,12 +143,17 @@ class StepPath:
         stats.data_wait_s += wait
         self.data_total += wait
         self.arrived_at = now
-        stats.samples += samples
-        stats.total_samples += samples
+        return opened
+
+    def count(self, samples: int, tokens: int | None) -> None:
+        """The arrived micro-batch's `samples` (`tokens`, None: not counted) in the step's
+        counts and the totals (`counts_wanted`: what the loop calls when asked)."""
+        stats = self.stats
+        stats.samples = (stats.samples or 0) + samples
+        stats.total_samples = (stats.total_samples or 0) + samples
         if tokens is not None:
             stats.tokens = (stats.tokens or 0) + tokens
             stats.total_tokens = (stats.total_tokens or 0) + tokens
-        return opened
 
     @property
     def skipped(self) -> bool:

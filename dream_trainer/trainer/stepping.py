@@ -95,7 +95,7 @@ class Stepper:
         self.trainer = trainer
         self.path = StepPath()
         self.loss_weight: float | None = None  # the current micro-batch's (its batch's ``loss_weight``)
-        self.accumulation = 1  # micro-batches per optimizer step (the loop sets it with each batch)
+        self.accumulation = 1  # micro-batches per optimizer step (the loop sets it as each epoch opens)
         self.stragglers = StragglerMeter()  # this rank's work per step, compared across ranks at log steps
 
     # ------------------------------------------------------------------ the step API's work
@@ -188,13 +188,16 @@ class Stepper:
     # ------------------------------------------------------------------ the loop's side
     def batch_arrived(self, batch: Any, step: int, now: float) -> None:
         """Telemetry of a new micro-batch of optimizer step `step`, arrived at `now` (before
-        it moves to the device): the data wait since its fetch began, its samples/tokens; the
-        step's `on_step_begin` when the batch opens it."""
-        trainer = self.trainer
+        it moves to the device): the data wait since its fetch began, its samples/tokens when
+        something asked for them; the step's `on_step_begin` when the batch opens it."""
+        trainer, path = self.trainer, self.path
         collectives = trainer.world.collectives
         if collectives.tracking:
             collectives.batch_arrived(step, now)
-        if self.path.arrive(now, *trainer.count_batch(batch)) and "on_step_begin" in trainer.callbacks.overridden:
+        opened = path.arrive(now)
+        if path.counts_wanted:  # `request_batch_counts`: nobody asked, no batch is looked at
+            path.count(*trainer.count_batch(batch))
+        if opened and "on_step_begin" in trainer.callbacks.overridden:
             trainer.callbacks.on_step_begin(step)
 
     def compute_starts(self) -> float:

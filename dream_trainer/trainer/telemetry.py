@@ -35,13 +35,18 @@ class StepStats:
         clip_limit: per optimizer name, the norm gradients were clipped to (a clipped step).
         lr: per optimizer name, the learning rate this step used (its first param group's,
             read before the schedulers stepped).
-        samples: samples in this step on this rank (``trainer.count_batch``).
-        tokens: tokens in this step on this rank, None when the batches have no token count.
-        total_samples: samples since `fit()` started, this rank.
+        samples: samples in this step on this rank (``trainer.count_batch``). Counted once
+            something called ``trainer.request_batch_counts()`` (`ThroughputMonitor`,
+            `StepWindowCallback` and `PerformanceReportCallback` do); None until then:
+            the loop does not look at a batch nobody counts.
+        tokens: tokens in this step on this rank, None when the batches have no token count
+            (or nothing asked for counts).
+        total_samples: samples since `fit()` started, this rank (since counts were first
+            requested; None before).
         total_tokens: tokens since `fit()` started, this rank (None: not counted).
         world_samples: `total_samples` summed over data-parallel ranks, as of the last log
             step of the trainer (refreshed there, inside the all-reduce the trainer makes
-            anyway to average the logged metrics).
+            anyway to average the logged metrics); None while nothing is counted.
         world_tokens: the same for tokens.
         step_time_s: wall time from the end of the previous step to the end of this one.
         data_wait_s: the part of it spent waiting for the dataloader.
@@ -63,11 +68,11 @@ class StepStats:
     grad_norm: dict[str, torch.Tensor] = field(default_factory=dict)
     clip_limit: dict[str, float] = field(default_factory=dict)
     lr: dict[str, float] = field(default_factory=dict)
-    samples: int = 0
+    samples: int | None = None
     tokens: int | None = None
-    total_samples: int = 0
+    total_samples: int | None = None
     total_tokens: int | None = None
-    world_samples: int = 0
+    world_samples: int | None = None
     world_tokens: int | None = None
     step_time_s: float = 0.0
     data_wait_s: float = 0.0
@@ -98,9 +103,8 @@ class StepStats:
     def begin(self, timed: bool = False) -> None:
         """Reset the per-step fields (the running totals stay); `timed`: the step's
         `compute_s` and `optimizer_s` are measured (else NaN)."""
-        self.micro_batches = self.samples = 0
-        self.loss_sum = self.tokens = self.skipped = self.backward_sum = None
-        self.backward_count = 0
+        self.micro_batches = self.backward_count = 0
+        self.loss_sum = self.samples = self.tokens = self.skipped = self.backward_sum = None
         self.grad_norm, self.clip_limit, self.lr = {}, {}, {}
         self.data_wait_s = 0.0
         self.compute_s = self.optimizer_s = 0.0 if timed else math.nan

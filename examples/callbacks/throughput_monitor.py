@@ -5,8 +5,9 @@
 What the original got wrong: it computed samples/s from ``config.batch_size``, which does
 not exist in dream-trainer's config (and a configured batch size would be wrong anyway for
 an epoch's last, short batch or per data-parallel rank). The trainer counts every
-micro-batch itself (``trainer.count_batch``) into ``trainer.step_stats``; this version
-reads the world totals there. It also times the window with the steps' own
+micro-batch itself (``trainer.count_batch``) into ``trainer.step_stats`` once a callback
+asks (``trainer.request_batch_counts()``); this version asks at setup and reads the world
+totals there. It also times the window with the steps' own
 times (``step_stats.step_time_s``), so a validation run inside a window does not count as
 training time, and it skips steps whose update was skipped.
 """
@@ -29,6 +30,9 @@ class ThroughputMonitor(Callback[BaseTrainer]):
         self.last: tuple[int, int] | None = None  # world (samples, tokens) at the last log step
         self.elapsed = 0.0  # training time since then: the steps' own times
         self.history: list[dict[str, float]] = []
+
+    def post_setup(self) -> None:
+        self.trainer.request_batch_counts()  # the trainer counts batches for those who ask
 
     def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
         trainer = self.trainer

@@ -23,7 +23,7 @@ from dream_trainer.trainer.step_path import StepPath
 
 # -------------------------------------------------------------------- the ledger alone
 def _arrive(clock):
-    clock.arrive(time.perf_counter(), 1, None)
+    clock.arrive(time.perf_counter())
 
 
 def test_switches_and_seams_put_every_moment_in_one_part():

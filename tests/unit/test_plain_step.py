@@ -28,6 +28,7 @@ NOT_ON_A_PLAIN_STEP = {
     ("dream_trainer.world.world", "sync_gradients"), ("dream_trainer.world.world", "agree_on_step"),
     ("dream_trainer.world.stragglers", "add"), ("dream_trainer.trainer.stepping", "before_backward"),
     ("dream_trainer.trainer.goodput", "fetching"),  # the ledger reads the step path's clock: no call per fetch
+    ("dream_trainer.trainer.telemetry", "count_batch"), ("dream_trainer.trainer.step_path", "count"),  # nobody asked
 }
 
 

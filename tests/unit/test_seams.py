@@ -225,6 +225,9 @@ def test_step_stats_on_a_log_step_equal_a_hand_computation():
     rows = []
 
     class Read(Callback):
+        def pre_fit(self):
+            self.trainer.request_batch_counts()
+
         def post_train_step(self, result, batch_idx):
             trainer = self.trainer
             if trainer.is_accumulating_gradients or not trainer.is_log_step:

@@ -73,18 +73,23 @@ def test_an_optimizer_route_is_made_once_until_forgotten():
 def test_the_cycle_opens_once_counts_waits_and_samples_skipped_steps_and_times_the_step():
     path = StepPath()
     path.step_end = path.fetch_start = 10.0
-    assert path.arrive(10.25, samples=4, tokens=None) is True
-    assert path.stats.samples == 4 and path.stats.data_wait_s == pytest.approx(0.25)
+    assert path.arrive(10.25) is True
+    assert path.stats.samples is None and path.stats.data_wait_s == pytest.approx(0.25)  # nothing counted yet
+    path.count(samples=4, tokens=None)
+    assert path.stats.samples == 4 and path.stats.tokens is None and path.stats.total_samples == 4
     path.fetch_start = 10.3
-    assert path.arrive(10.4, samples=4, tokens=32) is False  # a second micro-batch of the same step: nothing reset
+    assert path.arrive(10.4) is False  # a second micro-batch of the same step: nothing reset
+    path.count(samples=4, tokens=32)
     assert path.stats.samples == 8 and path.stats.tokens == 32 and path.stats.data_wait_s == pytest.approx(0.35)
     path.stepped = True
     assert path.end(step=1, now=10.5) is False
     assert not path.open and path.stats.step == 1 and path.stats.step_time_s == pytest.approx(0.5)
     assert path.skipped_steps == 0 and path.stats.total_samples == 8
     path.fetch_start = 10.5
-    assert path.arrive(10.5, samples=2, tokens=None) is True  # the next step starts clean, the totals go on
+    assert path.arrive(10.5) is True  # the next step starts clean, the totals go on
+    path.count(samples=2, tokens=None)
     assert path.stats.samples == 2 and path.stats.tokens is None and path.stats.total_samples == 10
+    assert path.stats.total_tokens == 32
     path.stats.skipped = "vetoed"
     assert path.skipped
     assert path.end(step=2, now=11.0) is True  # skipped: the global step stays 1

@@ -553,6 +553,9 @@ def test_a_batch_is_counted_as_it_arrived_skipped_batches_too():
             self.counted: list[tuple[int, int]] = []
             self.skipped_counted: list[int] = []
 
+        def pre_fit(self):
+            self.trainer.request_batch_counts()
+
         def pre_train_step(self, batch, batch_idx):
             self.arrived.append(len(batch[0]))
             if batch_idx == 1:
@@ -575,3 +578,39 @@ def test_a_batch_is_counted_as_it_arrived_skipped_batches_too():
     trained = [size for i, size in enumerate(sizes) if i != 1]
     assert [samples for samples, _ in crops.counted] == trained
     assert crops.counted[-1][1] == trainer.step_stats.total_samples == sum(sizes)
+
+
+def test_batches_are_counted_only_once_something_asks_and_from_then_on():
+    """Nobody asked: the loop never calls ``count_batch`` and the counts read None (not a
+    silent 0). Asked at the end of step 3: counted from step 4's batch on, the world's
+    totals with them on the next log step."""
+    looked: list[int] = []
+
+    def counted(callbacks=()):
+        trainer = make(callbacks, log_every_n_steps=2)
+        trainer.count_batch = lambda batch: (looked.append(len(batch[0])), (len(batch[0]), None))[1]
+        return trainer
+
+    quiet = counted()
+    quiet.fit()
+    stats = quiet.step_stats
+    assert looked == [] and quiet.global_step >= 6
+    assert (stats.samples, stats.total_samples, stats.world_samples) == (None, None, None)
+
+    class AskLate(Callback):
+        def __init__(self):
+            self.seen: list[tuple[int, int | None, int | None]] = []
+
+        def on_step_end(self, step):
+            stats = self.trainer.step_stats
+            self.seen.append((step, stats.samples, stats.world_samples))
+            if step == 3:
+                self.trainer.request_batch_counts()
+
+    ask = AskLate()
+    trainer = counted([ask])
+    trainer.fit()
+    steps = trainer.global_step
+    assert len(looked) == steps - 3 and trainer.step_stats.total_samples == sum(looked)
+    assert [s for _, s, _ in ask.seen] == [None] * 3 + looked
+    assert ask.seen[3][2] == looked[0]  # step 4, a log step: the world's totals (one rank) refreshed

@@ -71,6 +71,7 @@ class ThroughputMonitorCallback(Monitor):
         self._cuda = False  # timed with device events (set at setup)
 
     def post_setup(self) -> None:
+        self.trainer.request_batch_counts()  # samples and tokens: counted for this monitor
         self._cuda = self.trainer.world.device.type == "cuda"
         self.peak = resolve_peak(self.trainer, self._given_peak)
         self.peak_flops = self.peak.value
@@ -87,6 +88,9 @@ class ThroughputMonitorCallback(Monitor):
         if not self.step_done():
             return
         trainer, stats = self.trainer, self.trainer.step_stats
+        if stats.total_samples is None:  # attached after setup: counted from the next batch on
+            trainer.request_batch_counts()
+            return
         self.times.append(stats.step_time_s)
         if self._events is not None and self._events[1] is None:
             end = torch.cuda.Event(enable_timing=True)
