@@ -116,6 +116,9 @@ class Record(Callback[Any]):
     group's) directory. ``cpu_s`` and ``minor_faults`` are the process's totals so far (all
     its threads): their differences between two steps are what the step cost it."""
 
+    def pre_fit(self) -> None:
+        self.trainer.request_batch_counts()  # each step's samples (the batch per process)
+
     def post_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
         trainer = self.trainer
         usage = resource.getrusage(resource.RUSAGE_SELF)

@@ -17,6 +17,7 @@ Transient: nothing here goes into a checkpoint (a resumed run logs afresh).
 
 from __future__ import annotations
 
+import logging
 import numbers
 import sys
 from collections.abc import Callable, Sequence
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
     from dream_trainer.trainer.telemetry import StepStats
+
+logger = logging.getLogger(__name__)
 
 
 class _Reducer(Protocol):
@@ -95,6 +98,7 @@ class MetricLog:
         self._val_sums: dict[str, list[Any]] = {}
         self._step_sums: tuple[int, dict[str, torch.Tensor], int] | None = None  # (step, sums, micro-batches)
         self.display_fields: dict[str, str] = {}  # short status strings monitors publish for displays
+        self._partial_counts_warned = False  # some ranks count batches, not all: said once
 
     @classmethod
     def for_trainer(cls, trainer: _LogOwner) -> MetricLog:
@@ -135,7 +139,12 @@ class MetricLog:
         ``stats.world_samples``/``world_tokens`` (one all-reduce with the means)."""
         scalars = {f"train/{k}": v for k, v in result.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
         if world.dp_size > 1:
-            scalars = _world_means(scalars, stats, world)
+            scalars, counting = _world_means(scalars, stats, world)
+            if 0 < counting < world.world_size and not self._partial_counts_warned:
+                self._partial_counts_warned = True
+                logger.warning("batch counts were asked for on %d of %d ranks: step_stats.world_samples/world_tokens "
+                               "stay None (a sum over some ranks would be wrong); call trainer.request_batch_counts() "
+                               "on every rank", counting, world.world_size)
         else:
             stats.world_samples, stats.world_tokens = stats.total_samples, stats.total_tokens
         metrics: dict[str, Any] = {**scalars, "train/epoch": float(epoch)}
@@ -341,12 +350,16 @@ def _on_log_caller() -> str:
     return "(an on_log hook)"
 
 
-def _world_means(scalars: dict[str, torch.Tensor], stats: StepStats, world: _StepWorld) -> dict[str, torch.Tensor]:
+def _world_means(scalars: dict[str, torch.Tensor], stats: StepStats,
+                 world: _StepWorld) -> tuple[dict[str, torch.Tensor], int]:
     """`scalars` averaged over ranks and the samples/tokens totals of the data-parallel
-    ranks (``stats.world_*``), in one all-reduce."""
+    ranks (``stats.world_*``), in one all-reduce. The totals are the world's only where
+    every rank counts (`request_batch_counts` on each): else None on every rank, not a
+    partial sum. Also how many ranks count."""
     values = [v.float().reshape(()) for v in scalars.values()]
     device = values[0].device if values else world.device
-    counts = torch.tensor([stats.total_samples or 0, stats.total_tokens or 0], dtype=torch.float64)
+    counted = stats.total_samples is not None
+    counts = torch.tensor([stats.total_samples or 0, stats.total_tokens or 0, counted], dtype=torch.float64)
     stacked = torch.cat([torch.stack(values) if values else torch.zeros(0, device=device),
                          counts.to(device=device, dtype=torch.float32)])
     world.all_reduce(stacked, "sum")
@@ -354,9 +367,11 @@ def _world_means(scalars: dict[str, torch.Tensor], stats: StepStats, world: _Ste
     means = dict(zip(scalars, (stacked[:n] / world.world_size).unbind()))
     per_dp = world.world_size // world.dp_size  # ranks that share one data shard (TP, CP)
     totals = stacked[n:].tolist()  # read with the metrics anyway: this is a log step
-    stats.world_samples = int(round(totals[0])) // per_dp if stats.total_samples is not None else None
-    stats.world_tokens = int(round(totals[1])) // per_dp if stats.total_tokens is not None else None
-    return means
+    ranks_counting = int(round(totals[2]))
+    everywhere = ranks_counting == world.world_size
+    stats.world_samples = int(round(totals[0])) // per_dp if everywhere else None
+    stats.world_tokens = int(round(totals[1])) // per_dp if everywhere and stats.total_tokens is not None else None
+    return means, ranks_counting
 
 
 def _named_values(metrics: dict[str, Any], prefix: str, values: dict[str, Any]) -> None:

@@ -46,7 +46,7 @@ class StepStats:
         total_tokens: tokens since `fit()` started, this rank (None: not counted).
         world_samples: `total_samples` summed over data-parallel ranks, as of the last log
             step of the trainer (refreshed there, inside the all-reduce the trainer makes
-            anyway to average the logged metrics); None while nothing is counted.
+            anyway to average the logged metrics); None unless every rank counts.
         world_tokens: the same for tokens.
         step_time_s: wall time from the end of the previous step to the end of this one.
         data_wait_s: the part of it spent waiting for the dataloader.

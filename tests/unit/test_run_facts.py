@@ -347,3 +347,21 @@ def test_the_performance_report_gives_the_peak_of_the_training_not_of_the_setup(
     ToyTrainer(config([report]), with_validation=False).fit()
     assert report.report["memory_kind"] == "process RSS"
     assert 50 < report.report["peak_memory_mb"] < setup_peak / MB - 200
+
+
+def test_a_throughput_monitor_attached_mid_run_asks_for_counts_and_rates_from_then_on():
+    """Nothing asked for batch counts before it: the monitor added at step 3 asks itself
+    (its first step only asks) and logs samples/s from counts, not from a None."""
+    monitor = ThroughputMonitorCallback(log_interval=4, warmup_steps=0, peak_flops=1e12)
+
+    class AttachLate(Callback):
+        def on_step_end(self, step):
+            if step == 3:
+                assert self.trainer.step_stats.total_samples is None  # nobody asked yet
+                self.trainer.callbacks.add(monitor)
+
+    trainer = SetFlops(config([AttachLate()], n_epochs=2), with_validation=False)
+    trainer.fit()
+    stats, m = trainer.step_stats, trainer.logged_metrics
+    assert stats.total_samples is not None and stats.total_samples > 0
+    assert m["train/samples_per_sec"] > 0
