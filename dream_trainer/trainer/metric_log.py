@@ -355,16 +355,17 @@ def _world_means(scalars: dict[str, torch.Tensor], stats: StepStats,
     """`scalars` averaged over ranks and the samples/tokens totals of the data-parallel
     ranks (``stats.world_*``), in one all-reduce. The totals are the world's only where
     every rank counts (`request_batch_counts` on each): else None on every rank, not a
-    partial sum. Also how many ranks count."""
-    values = [v.float().reshape(()) for v in scalars.values()]
+    partial sum. Also how many ranks count. In float64: token totals pass 2**24 (float32's
+    last exact integer) within minutes of pre-training and stay exact to 2**53."""
+    values = [v.detach().reshape(()).double() for v in scalars.values()]
     device = values[0].device if values else world.device
     counted = stats.total_samples is not None
     counts = torch.tensor([stats.total_samples or 0, stats.total_tokens or 0, counted], dtype=torch.float64)
-    stacked = torch.cat([torch.stack(values) if values else torch.zeros(0, device=device),
-                         counts.to(device=device, dtype=torch.float32)])
+    stacked = torch.cat([torch.stack(values) if values else torch.zeros(0, dtype=torch.float64, device=device),
+                         counts.to(device=device)])
     world.all_reduce(stacked, "sum")
     n = len(values)
-    means = dict(zip(scalars, (stacked[:n] / world.world_size).unbind()))
+    means = dict(zip(scalars, (stacked[:n] / world.world_size).float().unbind()))
     per_dp = world.world_size // world.dp_size  # ranks that share one data shard (TP, CP)
     totals = stacked[n:].tolist()  # read with the metrics anyway: this is a log step
     ranks_counting = int(round(totals[2]))

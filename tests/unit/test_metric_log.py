@@ -245,3 +245,22 @@ def test_a_log_step_nobody_listens_to_keeps_its_values_and_what_waited_for_it():
         weight.add_(1.0)
     assert sink.sent == [] and log.pending == {}
     assert log.logged == {"train/loss": 0.25, "train/lr": 0.1, "user/scaled": 6.0}
+
+
+def test_world_token_totals_stay_exact_past_float32s_integers():
+    """The totals ride in the metrics' all-reduce in float64: 2**24 + 1 tokens a rank (past
+    float32's last exact integer) sum exactly; the averaged metrics come back float32."""
+    from dream_trainer.trainer.telemetry import StepStats
+
+    class TwoSameRanks:  # the peer holds what this rank holds: the sum doubles each entry
+        device, dp_size, world_size = torch.device("cpu"), 2, 2
+
+        def all_reduce(self, tensor, op="sum"):
+            assert op == "sum" and tensor.dtype == torch.float64
+            tensor.mul_(2)
+
+    stats = StepStats(total_samples=2**24 + 1, total_tokens=2**30 + 3)
+    own = MetricLog(lambda m: None).own_step_metrics({"loss": torch.tensor(0.25)}, stats, TwoSameRanks(), epoch=0,
+                                                     log_lr=False, log_grad_norm=False)
+    assert (stats.world_samples, stats.world_tokens) == (2 * (2**24 + 1), 2 * (2**30 + 3))
+    assert own["train/loss"].dtype == torch.float32 and float(own["train/loss"]) == 0.25
