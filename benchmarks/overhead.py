@@ -23,7 +23,9 @@ alike, step by step). A timing callback switches, at each epoch boundary, the 20
 callbacks in or out for the trainer's next epoch (rotating order), and the performance
 callbacks likewise; an epoch's trainer time is its time less its raw steps'; and
 a control variant repeats the no-callback trainer (A/A): how far its ratio strays from
-the first one's is the measurement's noise floor. The timing callback overrides only pre/post_train_epoch: no per-step cost.
+the first one's is the measurement's noise floor. The timing callback overrides only pre_train_epoch and
+post_epoch: no per-step cost (a post_train_epoch reader would make the trainer keep the epoch's
+mean loss, a list append a step: work a trainer without callbacks does not do).
 A separate check trains a fresh raw model and a fresh trainer for one epoch from the same
 init and compares the parameters bit for bit.
 
@@ -152,8 +154,8 @@ class Interleave(Callback[Any]):
         self._gc0 = self._collections()
         self._start = self.raw.mark()
 
-    def post_train_epoch(self, result: dict[str, Any]) -> None:
-        steps = result["batches"]
+    def post_epoch(self) -> None:  # not post_train_epoch: its reader costs the trainer a step's work (the epoch loss)
+        steps = self.trainer.local_batches  # the epoch's batches (reset after this hook)
         w = self.raw.window(self._start, steps)  # seconds per step: scaled to the epoch
         self.times["raw"].append(w["raw_wall"] * steps)
         self.cpu["raw"].append(w["raw"] * steps)
@@ -290,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"  dream+norm in the same round): {cpu_stats['vs_norm']['dream+health']:.3f}, beside the A/A noise (dream")
     print(f"  (A/A) / dream): {cpu_stats['vs_dream']['dream (A/A)']:.3f}.")
     print("  The trainer logs with its defaults (loss and lr every 10 steps); the raw loop logs nothing.")
-    print("  An epoch-timing callback overrides only pre/post_train_epoch (no per-step cost).")
+    print("  An epoch-timing callback overrides only pre_train_epoch and post_epoch (no per-step cost).")
     print("  * PyTorch Lightning on this kind of model, quoted from an issue (benchmarks/step_cost.py measures it).")
     print(f"  correctness: raw loop and trainer end one epoch with identical parameters: {identical}")
     result.update(settings=vars(args), machine=machine(), wall_s=wall, schedule=schedule,

@@ -144,7 +144,8 @@ def _use(variant: str) -> None:
 
 
 class Rotate(Callback[Any]):
-    """Swaps the variant in at each epoch's start and times the epoch against its raw steps."""
+    """Swaps the variant in at each epoch's start and times the epoch (to `post_epoch`)
+    against its raw steps."""
 
     def __init__(self, schedule: list[str], raw: RawBeside, warmup: int):
         self.schedule, self.raw, self.warmup = schedule, raw, warmup
@@ -155,8 +156,8 @@ class Rotate(Callback[Any]):
         _use(self._variant)
         self._start = self.raw.mark()
 
-    def post_train_epoch(self, result: dict[str, Any]) -> None:
-        window = self.raw.window(self._start, result["batches"])
+    def post_epoch(self) -> None:  # not post_train_epoch: its reader costs the trainer a step's work (the epoch loss)
+        window = self.raw.window(self._start, self.trainer.local_batches)
         if self.trainer.current_epoch >= self.warmup:
             self.epochs[self._variant].append((window["raw"], window["framework"]))
 

@@ -92,7 +92,8 @@ class Paired:
 
 
 class EpochPairs(Callback[Any]):
-    """Marks the trainer's epochs (overrides only the epoch hooks: no per-step cost)."""
+    """Marks the trainer's epochs (overrides only pre_train_epoch and post_epoch: no per-step
+    cost; a post_train_epoch reader would make the trainer keep the epoch's mean loss)."""
 
     def __init__(self, paired: Paired) -> None:
         self.paired = paired
@@ -100,7 +101,7 @@ class EpochPairs(Callback[Any]):
     def pre_train_epoch(self) -> None:
         self.paired.start()
 
-    def post_train_epoch(self, result: dict[str, Any]) -> None:
+    def post_epoch(self) -> None:
         self.paired.end()
 
 
