@@ -102,7 +102,8 @@ class ThroughputMonitorCallback(Monitor):
     def totals(self) -> tuple[int, int | None, bool]:
         """(samples, tokens, exact) since the start, across data-parallel ranks."""
         trainer, stats = self.trainer, self.trainer.step_stats
-        if trainer.global_step % trainer.logging_parameters.log_every_n_steps == 0:  # world totals refreshed now
+        if (trainer.global_step % trainer.logging_parameters.log_every_n_steps == 0  # world totals refreshed now
+                and stats.world_samples is not None):  # (None: some rank does not count)
             return stats.world_samples, stats.world_tokens, True
         dp = trainer.world.dp_size
         return stats.total_samples * dp, (stats.total_tokens * dp if stats.total_tokens is not None else None), False
